@@ -1,0 +1,42 @@
+"""The drafter interface: propose up to k tokens, then learn from what the target accepted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdecode.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # [k] int64, k may be smaller than asked for, or 0
+    probs: torch.Tensor | None  # [k, vocab] the q each token was drawn from; None = one-hot
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def empty() -> Draft:
+        return Draft(torch.zeros(0, dtype=torch.long), None)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A new sequence starts with these prompt tokens."""
+
+    def propose(
+        self,
+        token_ids: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        """Up to k tokens to follow token_ids, drawn with the same params as the target."""
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """How many of the last proposal's tokens the target accepted."""

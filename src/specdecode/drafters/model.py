@@ -1,0 +1,37 @@
+"""A separate, smaller language model with the target's tokenizer drafts autoregressively."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.drafters.base import Draft
+from specdecode.kv_cache import CachedSequence, ModelRunner
+from specdecode.sampling import SamplingParams, logits_to_probs, sample
+
+
+class ModelDrafter:
+    name = "model"
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._cached = CachedSequence(runner)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self._cached = CachedSequence(self.runner)
+
+    def propose(
+        self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            # the cache keeps everything but the newest token, so each call runs one position
+            q = logits_to_probs(self._cached.logits(token_ids + tokens)[-1], params)  # [vocab]
+            tokens.append(int(sample(q, generator)))
+            probs.append(q)
+        if not tokens:
+            return Draft.empty()
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass  # the cache rolls itself back on the next proposal

@@ -1,0 +1,98 @@
+"""Model execution behind one small interface, and a KV cache kept in step with a sequence.
+
+`ModelRunner` is all the decode loop needs from a model: run new tokens against the
+cache and return their logits, and crop the cache back to a shorter length. A faster
+runner (static cache, fused kernels) can replace `HFModelRunner` without touching the
+loop. `CachedSequence` decides what to crop and what to run: speculative decoding
+appends draft tokens and, after a rejection, rolls back to the accepted prefix; only the
+new suffix is ever computed, and the prompt is prefilled once.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class ModelRunner(Protocol):
+    vocab_size: int  # width of the logits
+    max_length: int  # context window, in tokens
+
+    @property
+    def cache_length(self) -> int: ...
+
+    def reset(self) -> None:
+        """Empty the cache, for a new sequence."""
+
+    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Run token_ids [n] after the cached ones; return the last num_logits logits [num_logits, vocab]."""
+
+    def crop(self, length: int) -> None:
+        """Keep only the first `length` cached positions."""
+
+
+class HFModelRunner:
+    """A transformers causal LM with a DynamicCache, one sequence at a time."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model.eval()
+        config = model.config.get_text_config()
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_length = int(
+            getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+        )
+        self.device = model.device
+        self.reset()
+
+    @property
+    def cache_length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._cache = DynamicCache(config=self.model.config)
+        # sliding-window layers must keep past states until cropped, or rollback is impossible
+        self._cache.activate_past_recording()
+        self._length = 0
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        out = self.model(
+            input_ids=token_ids.to(self.device)[None],
+            cache=self._cache,  # updated in place
+            use_cache=True,
+            logits_to_keep=num_logits,
+        )
+        self._length += token_ids.shape[0]
+        return out.logits[0, -num_logits:].float().cpu()
+
+    def crop(self, length: int) -> None:
+        if length < self._length:
+            # transformers 5.x: a negative argument removes that many positions from the end
+            self._cache.crop(length - self._length)
+            self._length = length
+
+
+class CachedSequence:
+    """A runner whose cache always holds a prefix of the sequence last asked about."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.runner.reset()
+        self._tokens: list[int] = []
+
+    def logits(self, token_ids: list[int], num_logits: int = 1) -> torch.Tensor:
+        """Logits [num_logits, vocab] after each of the last num_logits positions of token_ids."""
+        keep = min(_common_prefix_length(self._tokens, token_ids), len(token_ids) - num_logits)
+        self.runner.crop(keep)  # roll back rejected tokens; never recompute the accepted ones
+        logits = self.runner.forward(torch.tensor(token_ids[keep:], dtype=torch.long), num_logits)
+        self._tokens = list(token_ids)
+        return logits
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    return next(i for i in range(n) if a[i] != b[i])

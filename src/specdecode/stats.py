@@ -1,0 +1,58 @@
+"""What one generation did: how much was drafted, accepted, and how fast it ran."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    drafter: str  # which drafter ran ("none" for target-only decoding)
+    num_speculative_tokens: int  # k, the most tokens drafted per step
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)  # [k] steps that drafted position i
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] steps that accepted position i
+    wall_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens
+        self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
+
+    def record_step(self, num_drafted: int, num_accepted: int) -> None:
+        self.target_forwards += 1
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        for position in range(num_drafted):
+            self.drafted_per_position[position] += 1
+            self.accepted_per_position[position] += position < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target forward, the bonus/recovered token included (as Spec-Bench counts)."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+    def summary(self) -> str:
+        return (
+            f"{self.generated_tokens} tokens in {self.wall_time_s:.2f} s ({self.tokens_per_second:.1f} tok/s) | "
+            f"drafter {self.drafter}, k={self.num_speculative_tokens} | "
+            f"acceptance {self.acceptance_rate:.0%} ({self.accepted_tokens}/{self.drafted_tokens}) | "
+            f"{self.mean_accepted_length:.2f} tokens per target forward ({self.target_forwards} forwards)"
+        )

@@ -1,0 +1,62 @@
+"""Tiny, randomly initialised models built from configs: fast, deterministic, offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 24
+WORDS = ["<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
+
+
+def tiny_llama(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init: float = 0.6) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=init,  # large weights give peaked, dissimilar distributions
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init: float = 0.6) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=max_positions,
+        initializer_range=init,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over 'w0 w1 ...', so text prompts work offline."""
+    words = WORDS[:2] + [f"w{i}" for i in range(vocab_size - 2)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A saved tiny Llama with a tokenizer: a local model folder, as a user would give."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(seed=0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)

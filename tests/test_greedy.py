@@ -1,0 +1,67 @@
+"""Temperature 0: the engine's output equals transformers' own greedy generate, token for token."""
+
+import pytest
+import torch
+
+from conftest import tiny_gpt2, tiny_llama
+from specdecode import SpeculativeEngine
+from specdecode.drafters import ModelDrafter, PromptLookupDrafter
+from specdecode.kv_cache import HFModelRunner
+
+PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20]]
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def drafters(target, family):
+    return {
+        "random draft (mostly rejected)": ModelDrafter(HFModelRunner(family(seed=99))),
+        "target as its own draft (all accepted)": ModelDrafter(HFModelRunner(target)),
+        "prompt lookup": PromptLookupDrafter(),
+    }
+
+
+@pytest.mark.parametrize("family", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_equals_transformers_generate_for_every_drafter(family, k):
+    target = family(seed=1)
+    expected = [hf_greedy(target, prompt, 40) for prompt in PROMPTS]
+    for name, drafter in drafters(target, family).items():
+        engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=k)
+        results = engine.generate(PROMPTS, max_new_tokens=40)
+        assert [r.token_ids for r in results] == expected, name
+
+
+def test_acceptance_matches_the_drafter_quality():
+    target = tiny_llama(seed=1)
+    self_draft = SpeculativeEngine(target, drafter=ModelDrafter(HFModelRunner(target)), num_speculative_tokens=4)
+    random_draft = SpeculativeEngine(
+        target, drafter=ModelDrafter(HFModelRunner(tiny_llama(seed=99))), num_speculative_tokens=4
+    )
+    stats = self_draft.generate(PROMPTS[:1], max_new_tokens=40)[0].stats
+    assert stats.acceptance_rate == 1.0
+    assert stats.mean_accepted_length == 5.0  # 4 drafts + 1 bonus per target forward
+    assert stats.accepted_per_position == stats.drafted_per_position
+    assert random_draft.generate(PROMPTS[:1], max_new_tokens=40)[0].stats.acceptance_rate < 0.5
+
+
+def test_target_only_mode_runs_the_same_loop_with_one_token_per_forward():
+    target = tiny_gpt2(seed=1)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4)
+    result = engine.generate(PROMPTS[:1], max_new_tokens=30, speculative=False)[0]
+    assert result.token_ids == hf_greedy(target, PROMPTS[0], 30)
+    assert result.stats.drafter == "none"
+    assert result.stats.target_forwards == 30
+    assert result.stats.drafted_tokens == 0
+
+
+def test_generation_stops_at_the_context_window():
+    target = tiny_llama(seed=1, max_positions=24)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4)
+    result = engine.generate([PROMPTS[0]], max_new_tokens=100)[0]
+    assert len(PROMPTS[0]) + len(result.token_ids) == 24
+    assert result.finish_reason == "length"
+    assert result.token_ids == hf_greedy(target, PROMPTS[0], 20)

@@ -1,0 +1,83 @@
+"""The accept/reject rule on hand-made p and q."""
+
+import torch
+from scipy.stats import chisquare
+
+from specdecode.verification import verify
+
+
+def _probs(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_draft_token_is_always_accepted_when_q_does_not_exceed_p():
+    p = _probs([0.2, 0.5, 0.3], [0.1, 0.1, 0.8])
+    q = _probs([0.4, 0.4, 0.2])  # q(x=1) = 0.4 <= p(x=1) = 0.5
+    for seed in range(200):
+        verdict = verify(torch.tensor([1]), q, p, torch.Generator().manual_seed(seed))
+        assert verdict.num_accepted == 1
+
+
+def test_token_the_target_cannot_produce_is_always_rejected_and_replaced_from_the_residual():
+    p = _probs([0.0, 0.5, 0.5], [1.0, 0.0, 0.0])
+    q = _probs([0.9, 0.05, 0.05])
+    for seed in range(200):
+        verdict = verify(torch.tensor([0]), q, p, torch.Generator().manual_seed(seed))
+        assert verdict.num_accepted == 0
+        assert verdict.next_token in (1, 2)  # residual max(0, p - q) has no mass on 0
+
+
+def test_residual_sampling_follows_normalised_positive_part_of_p_minus_q():
+    p = _probs([0.1, 0.3, 0.6], [1 / 3, 1 / 3, 1 / 3])
+    q = _probs([0.7, 0.2, 0.1])
+    # residual = norm(max(0, p - q)) = norm([0, 0.1, 0.5]) = [0, 1/6, 5/6]
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        verdict = verify(torch.tensor([0]), q, p, generator)  # p/q = 1/7 at x = 0: mostly rejected
+        if verdict.num_accepted == 0:
+            counts[verdict.next_token] += 1
+    assert counts[0] == 0
+    n = counts.sum().item()
+    assert chisquare(counts[1:].numpy(), [n / 6, 5 * n / 6]).pvalue > 0.001
+
+
+def test_bonus_token_comes_from_the_last_target_distribution_when_all_drafts_are_accepted():
+    p = _probs([0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.25, 0.75, 0.0])
+    q = _probs([0.0, 1.0, 0.0], [0.0, 0.0, 1.0])
+    generator = torch.Generator().manual_seed(1)
+    bonus = [verify(torch.tensor([1, 2]), q, p, generator) for _ in range(2000)]
+    assert all(v.num_accepted == 2 for v in bonus)
+    ones = sum(v.next_token == 1 for v in bonus)
+    assert chisquare([2000 - ones, ones], [500, 1500]).pvalue > 0.001
+
+
+def test_one_hot_drafter_is_accepted_with_probability_p_of_its_token():
+    p = _probs([0.3, 0.7, 0.0], [1.0, 0.0, 0.0])
+    generator = torch.Generator().manual_seed(2)
+    verdicts = [verify(torch.tensor([1]), None, p, generator) for _ in range(3000)]
+    accepted = sum(v.num_accepted for v in verdicts)
+    assert chisquare([accepted, 3000 - accepted], [2100, 900]).pvalue > 0.001
+    # on rejection the residual is p without the drafted token: always token 0 here
+    assert all(v.next_token == 0 for v in verdicts if v.num_accepted == 0)
+
+
+def test_first_emitted_token_is_distributed_as_p_whatever_q_is():
+    p = _probs([0.5, 0.2, 0.2, 0.1], [0.25] * 4)
+    q = _probs([0.1, 0.1, 0.1, 0.7])
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        draft = torch.multinomial(q[0], 1, generator=generator)
+        verdict = verify(draft, q, p, generator)
+        counts[draft.item() if verdict.num_accepted else verdict.next_token] += 1
+    assert chisquare(counts.numpy(), (p[0] * 4000).numpy()).pvalue > 0.001
+    # negative control: the same counts are far from the draft's distribution
+    assert chisquare(counts.numpy(), (q[0] * 4000).numpy()).pvalue < 1e-6
+
+
+def test_greedy_one_hot_p_and_q_accept_exactly_while_draft_equals_argmax():
+    p = torch.eye(5)[[2, 4, 1, 3]]  # target argmax after each position: 2, 4, 1, then 3
+    q = torch.eye(5)[[2, 4, 0]]
+    verdict = verify(torch.tensor([2, 4, 0]), q, p, torch.Generator().manual_seed(0))
+    assert verdict.num_accepted == 2 and verdict.next_token == 1
