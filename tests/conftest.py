@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import os
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -41,6 +44,7 @@ def tiny_gpt2(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init
         initializer_range=init,
         eos_token_id=None,
         bos_token_id=None,
+        tie_word_embeddings=False,
     )
     return GPT2LMHeadModel(config).eval()
 
@@ -53,6 +57,16 @@ def tiny_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
 
 
+def nearby_draft(target, noise: float, seed: int = 0):
+    """A copy of target whose output head is perturbed: a draft that agrees often, not always."""
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(seed)
+    head = draft.get_output_embeddings().weight
+    with torch.no_grad():
+        head.add_(torch.randn(head.shape, generator=generator) * head.std() * noise)
+    return draft
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A saved tiny Llama with a tokenizer: a local model folder, as a user would give."""
@@ -60,3 +74,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
     tiny_llama(seed=0).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # two workers share the two cores; tiny models gain nothing from more
