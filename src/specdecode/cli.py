@@ -1,0 +1,130 @@
+"""The `specdecode` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from specdecode.errors import InvalidArgumentError, SpecDecodeError
+from specdecode.models import DEFAULT_TARGET
+from specdecode.sampling import SamplingParams
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Exact speculative decoding for Hugging Face causal language models.",
+)
+stderr = Console(stderr=True)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Bad input ends the command with one line on stderr and exit status 2, never a traceback."""
+    try:
+        yield
+    except SpecDecodeError as error:
+        stderr.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+@app.callback()
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The text to continue (or the user message, with --chat).")],
+    target: Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")] = DEFAULT_TARGET,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model with the target's tokenizer.")] = None,
+    drafter: Annotated[str, typer.Option(help="auto, model, prompt-lookup or none.")] = "auto",
+    k: Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Tokens drafted per step.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with this mass.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop at this string (repeatable).")] = None,
+    chat: Annotated[
+        Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template [default: on if the model has one].")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    trust_remote_code: Annotated[bool, typer.Option(help="Run model code from the Hub (off by default).")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    compare: Annotated[bool, typer.Option(help="Also run target-only decoding and print the speedup.")] = False,
+) -> None:
+    """Generate text with speculative decoding and print it with its stats."""
+    from specdecode.engine import SpeculativeEngine
+
+    with user_errors():
+        _check_arguments(prompt, k, max_new_tokens, SamplingParams(temperature, top_k, top_p))
+        with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
+            engine = SpeculativeEngine.from_pretrained(
+                target, draft, drafter, k, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+            )
+        use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+        options = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, chat=use_chat
+        )
+        if compare:
+            engine.generate(prompt, **(options | dict(max_new_tokens=2)))  # warm-up, so neither run pays it
+            baseline = engine.generate(prompt, seed=seed, speculative=False, **options)[0]
+        result = engine.generate(prompt, seed=seed, **options)[0]
+
+    output = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}
+    output["stats"] = result.stats.to_dict()
+    lines = [result.text, f"[{result.stats.summary()}]"]
+    if compare:
+        output["compare"] = _comparison(result, baseline, greedy=temperature == 0)
+        lines.append(_comparison_line(output["compare"]))
+    if json_output:
+        print(json.dumps(output))
+    else:
+        print("\n".join(lines))
+
+
+def _check_arguments(prompt: str, k: int, max_new_tokens: int, params: SamplingParams) -> None:
+    """Checks that need no model, so mistakes are reported before a slow load."""
+    if not prompt.strip():
+        raise InvalidArgumentError("the prompt is empty; give some text to continue")
+    if k < 0:
+        raise InvalidArgumentError(f"-k must be >= 0 (0 = target-only decoding), got {k}")
+    if max_new_tokens < 1:
+        raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+
+
+def _comparison(result, baseline, greedy: bool) -> dict:
+    return {
+        "target_only_tokens_per_second": baseline.stats.tokens_per_second,
+        "speculative_tokens_per_second": result.stats.tokens_per_second,
+        "speedup": result.stats.tokens_per_second / baseline.stats.tokens_per_second,
+        "identical_output": result.token_ids == baseline.token_ids if greedy else None,
+    }
+
+
+def _comparison_line(comparison: dict) -> str:
+    identical = {True: "outputs identical", False: "OUTPUTS DIFFER", None: "sampled, outputs not compared"}
+    return (
+        f"[target-only {comparison['target_only_tokens_per_second']:.1f} tok/s | "
+        f"speculative {comparison['speculative_tokens_per_second']:.1f} tok/s | "
+        f"speedup {comparison['speedup']:.2f}x | {identical[comparison['identical_output']]}]"
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

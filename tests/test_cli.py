@@ -1,0 +1,83 @@
+"""`specdecode generate` on a local tiny model folder: output formats and clear errors."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdecode.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, ["generate", *args])
+
+
+def test_json_output_has_text_tokens_and_stats(tiny_model_dir):
+    result = run("w1 w2 w3 w1 w2", "--target", tiny_model_dir, "--max-new-tokens", "12", "--json")
+    assert result.exit_code == 0, result.output
+    output = json.loads(result.stdout)
+    tokens = output["token_ids"]
+    ended_at_eos = tokens[-1] == 0  # <eos> of the tiny tokenizer
+    assert output["finish_reason"] == ("stop" if ended_at_eos else "length")
+    assert len(tokens) == 12 or ended_at_eos
+    stats = output["stats"]
+    assert stats["drafter"] == "prompt-lookup" and stats["num_speculative_tokens"] == 4
+    assert stats["generated_tokens"] == len(tokens)
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
+    assert stats["mean_accepted_length"] >= 1.0
+    assert set(stats) >= {"drafted_tokens", "accepted_tokens", "accepted_per_position", "target_forwards", "wall_time_s"}
+
+
+def test_human_output_and_compare(tiny_model_dir):
+    result = run("w1 w2 w3 w1 w2", "--target", tiny_model_dir, "--max-new-tokens", "16", "--compare")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert "tokens per target forward" in lines[-2]
+    assert "speedup" in lines[-1] and "outputs identical" in lines[-1]
+
+
+def test_json_compare_reports_identical_greedy_output(tiny_model_dir):
+    result = run("w5 w6", "--target", tiny_model_dir, "--max-new-tokens", "10", "--compare", "--json", "-k", "2")
+    compare = json.loads(result.stdout)["compare"]
+    assert compare["identical_output"] is True
+    assert compare["speedup"] > 0
+
+
+def test_seeded_sampling_is_reproducible(tiny_model_dir):
+    args = ["w5 w6", "--target", tiny_model_dir, "--temperature", "1.0", "--seed", "3", "--json"]
+    first, second = run(*args), run(*args)
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["", "--target", "{model}"], "the prompt is empty"),
+        (["w1", "--target", "{model}", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["w1", "--target", "{model}", "--max-new-tokens", "-2"], "--max-new-tokens must be at least 1"),
+        (["w1", "--target", "{model}", "--temperature", "-1"], "temperature must be >= 0"),
+        (["w1", "--target", "{model}", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["w1", "--target", "{model}", "--top-p", "1.2"], "top_p must be in (0, 1]"),
+        (["w1", "--target", "{model}", "-k", "-1"], "-k must be >= 0"),
+        (["w1", "--target", "./does/not/exist"], "is not a model folder or a .gguf file"),
+        (["w1", "--target", "{model}", "--drafter", "magic"], "unknown drafter 'magic'"),
+        (["w1", "--target", "{model}", "--device", "tpu"], "unknown device 'tpu'"),
+        (["w1", "--target", "{model}", "--dtype", "int3"], "unknown dtype 'int3'"),
+        ([" ".join(["w3"] * 200), "--target", "{model}"], "shorten the prompt"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tiny_model_dir, args, message):
+    result = run(*[a.replace("{model}", tiny_model_dir) for a in args])
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_unknown_model_name_exits_2(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = run("hello", "--target", "no-such-model")
+    assert result.exit_code == 2
+    assert "could not load model 'no-such-model'" in result.stderr

