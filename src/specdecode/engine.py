@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from specdecode.errors import InvalidArgumentError, PromptTooLongError
-from specdecode.kv_cache import CachedSequence, HFModelRunner, ModelRunner
+from specdecode.kv_cache import CachedSequence, ModelRunner, runner_for
 from specdecode.models import DEFAULT_TARGET, check_same_vocabulary, load_model
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.stats import GenerationStats
@@ -81,12 +81,13 @@ class SpeculativeEngine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 4,
+        runner: str = "auto",
     ):
         if num_speculative_tokens < 0:
             raise InvalidArgumentError(
                 f"num_speculative_tokens (k) must be >= 0 (0 = target-only), got {num_speculative_tokens}"
             )
-        self.target_runner = HFModelRunner(target) if isinstance(target, PreTrainedModel) else target
+        self.target_runner = runner_for(target, runner) if isinstance(target, PreTrainedModel) else target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens
@@ -102,16 +103,23 @@ class SpeculativeEngine:
         device: str = "auto",
         dtype: str = "auto",
         trust_remote_code: bool = False,
+        runner: str = "auto",
     ) -> SpeculativeEngine:
-        """Load target (and draft) by short name, folder, .gguf file or Hub id; pick the drafter."""
+        """Load target (and draft) by short name, folder, .gguf file or Hub id; pick the drafter.
+
+        runner: "auto" runs supported architectures on the lean fast path (fast_llama.py) and
+        the rest on transformers' modeling; "transformers" forces the latter.
+        """
         if isinstance(drafter, str) and drafter not in DRAFTERS:
             raise InvalidArgumentError(f"unknown drafter '{drafter}'; choose one of: {', '.join(DRAFTERS)}")
         if drafter == "model" and draft is None:
             raise InvalidArgumentError("drafter 'model' needs a draft model: pass draft=NAME (--draft in the CLI)")
         model, tokenizer = load_model(target, device, dtype, trust_remote_code)
+        engine = cls(model, tokenizer, None, num_speculative_tokens, runner)
         if isinstance(drafter, str):
-            drafter = _make_drafter(drafter, draft, model, tokenizer, device, dtype, trust_remote_code)
-        return cls(model, tokenizer, drafter, num_speculative_tokens)
+            drafter = _make_drafter(drafter, draft, engine, device, dtype, trust_remote_code, runner)
+        engine.drafter = drafter
+        return engine
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -228,11 +236,11 @@ def _eos_token_ids(target: PreTrainedModel | ModelRunner, tokenizer: PreTrainedT
 def _make_drafter(
     name: str,
     draft: str | PreTrainedModel | None,
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    engine: SpeculativeEngine,
     device: str,
     dtype: str,
     trust_remote_code: bool,
+    runner: str,
 ) -> Drafter | None:
     if name == "none":
         return None
@@ -242,6 +250,8 @@ def _make_drafter(
         draft_model, draft_tokenizer = draft, None
     else:
         draft_model, draft_tokenizer = load_model(draft, device, dtype, trust_remote_code)
-    runner = HFModelRunner(draft_model.to(target.device))
-    check_same_vocabulary(tokenizer, draft_tokenizer, HFModelRunner(target).vocab_size, runner.vocab_size)
-    return ModelDrafter(runner)
+    draft_runner = runner_for(draft_model.to(engine.target_runner.device), runner)
+    check_same_vocabulary(
+        engine.tokenizer, draft_tokenizer, engine.target_runner.vocab_size, draft_runner.vocab_size
+    )
+    return ModelDrafter(draft_runner)

@@ -74,6 +74,26 @@ class HFModelRunner:
             self._length = length
 
 
+RUNNERS = ("auto", "fast", "transformers")
+
+
+def runner_for(model: PreTrainedModel, runner: str = "auto") -> ModelRunner:
+    """The fastest runner that supports the model: the lean path where it applies, else transformers'."""
+    from specdecode import fast_llama
+    from specdecode.errors import InvalidArgumentError
+
+    if runner not in RUNNERS:
+        raise InvalidArgumentError(f"unknown runner '{runner}'; choose one of: {', '.join(RUNNERS)}")
+    if runner == "fast" and not fast_llama.supports(model):
+        raise InvalidArgumentError(
+            f"the fast runner supports {', '.join(fast_llama.SUPPORTED_MODEL_TYPES)} models, "
+            f"not {model.config.model_type}; use --runner auto"
+        )
+    if runner != "transformers" and fast_llama.supports(model):
+        return fast_llama.FastLlamaRunner(model)
+    return HFModelRunner(model)
+
+
 class CachedSequence:
     """A runner whose cache always holds a prefix of the sequence last asked about."""
 

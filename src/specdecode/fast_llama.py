@@ -1,0 +1,166 @@
+"""A lean forward pass for Llama-family models (Llama, SmolLM2, Mistral, Qwen2).
+
+Same weights and the same arithmetic as transformers' modeling, without its per-call
+machinery, and shaped for speculative decoding:
+- a static KV cache, allocated once and grown by doubling: rollback is `length = n`;
+- fused projections (q|k|v, gate|up): fewer, larger matrix products;
+- logits only for the positions the caller asks for.
+
+It implements `kv_cache.ModelRunner`; `supports(model)` says when it applies. Outputs
+match transformers' to float rounding (tests/test_fast_llama.py states the tolerance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
+
+
+def supports(model: PreTrainedModel) -> bool:
+    config = model.config
+    sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    return (
+        config.model_type in SUPPORTED_MODEL_TYPES
+        and getattr(config, "hidden_act", "silu") == "silu"
+        and sliding_window is None  # a window would need its own mask
+        and not getattr(config, "mlp_bias", False)
+    )
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    bqkv: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim], Qwen2 only
+    wo: torch.Tensor  # [hidden, heads * head_dim]
+    mlp_norm: torch.Tensor  # [hidden]
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    w_down: torch.Tensor  # [hidden, intermediate]
+
+
+class FastLlamaRunner:
+    """One sequence at a time, on the model's device and dtype."""
+
+    def __init__(self, model: PreTrainedModel):
+        if not supports(model):
+            raise ValueError(f"FastLlamaRunner does not support {model.config.model_type} models")
+        config = model.config
+        self.model = model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_length = int(config.max_position_embeddings)
+        self.device, self.dtype = model.device, model.dtype
+        self.embed = model.get_input_embeddings().weight
+        self.final_norm = model.model.norm.weight
+        self.lm_head = model.get_output_embeddings().weight
+        self.layers = [_fuse(layer) for layer in model.model.layers]
+        self._rotary = model.model.rotary_emb
+        self._capacity = 0
+        self._length = 0
+        self._grow(min(INITIAL_CAPACITY, self.max_length))
+
+    @property
+    def cache_length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._length = 0
+
+    def crop(self, length: int) -> None:
+        self._length = min(self._length, length)  # the rows past it are simply overwritten later
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        start, n = self._length, token_ids.shape[0]
+        if start + n > self._capacity:
+            self._grow(max(start + n, 2 * self._capacity))
+        x = F.embedding(token_ids.to(self.device), self.embed)  # [n, hidden]
+        cos, sin = self._cos[start : start + n], self._sin[start : start + n]  # [n, head_dim]
+        # a query sees every cached key and the new keys up to its own position
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, mask, start)
+            gate, up = F.linear(_rms_norm(x, layer.mlp_norm, self.eps), layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        self._length = start + n
+        logits = F.linear(_rms_norm(x[-num_logits:], self.final_norm, self.eps), self.lm_head)
+        return logits.float().cpu()  # [num_logits, vocab]
+
+    def _attention(
+        self,
+        index: int,
+        layer: _Layer,
+        h: torch.Tensor,  # [n, hidden]
+        cos: torch.Tensor,  # [n, head_dim]
+        sin: torch.Tensor,  # [n, head_dim]
+        mask: torch.Tensor | None,  # [n, start + n] bool, None when n == 1
+        start: int,
+    ) -> torch.Tensor:  # [n, hidden]
+        n, d = h.shape[0], self.head_dim
+        q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
+        )
+        q = _rope(q.view(n, self.num_heads, d).transpose(0, 1), cos, sin)  # [heads, n, d]
+        k = _rope(k.view(n, self.num_kv_heads, d).transpose(0, 1), cos, sin)  # [kv_heads, n, d]
+        end = start + n
+        self._keys[index, :, start:end] = k
+        self._values[index, :, start:end] = v.view(n, self.num_kv_heads, d).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q[None],
+            self._keys[index, :, :end][None],
+            self._values[index, :, :end][None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )  # [1, heads, n, d]
+        return F.linear(out[0].transpose(0, 1).reshape(n, self.num_heads * d), layer.wo)
+
+    def _grow(self, capacity: int) -> None:
+        capacity = min(capacity, self.max_length)
+        shape = (len(self.layers), self.num_kv_heads, capacity, self.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self._capacity:
+            keys[:, :, : self._length] = self._keys[:, :, : self._length]
+            values[:, :, : self._length] = self._values[:, :, : self._length]
+        self._keys, self._values, self._capacity = keys, values, capacity
+        positions = torch.arange(capacity, device=self.device)[None]
+        cos, sin = self._rotary(self.embed[:1][None], positions)  # transformers' own rope tables
+        self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+
+
+def _fuse(layer: torch.nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    return _Layer(
+        attn_norm=layer.input_layernorm.weight,
+        wqkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+        bqkv=torch.cat(biases).detach() if biases[0] is not None else None,
+        wo=attn.o_proj.weight.detach(),
+        mlp_norm=layer.post_attention_layernorm.weight.detach(),
+        w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+        w_down=mlp.down_proj.weight.detach(),
+    )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of x [heads, n, d] by the position angles; cos, sin [n, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,103 @@
+"""A measured cost model: what a cached forward costs, beside what the hardware allows.
+
+Two floors bound a forward over n new tokens from below:
+- bandwidth: every weight is read once, whatever n is: weight bytes / read bandwidth;
+- compute: 2 * parameters * n multiply-adds (plus attention) / matrix-product rate.
+A forward near the larger floor cannot get much faster; one far above both is overhead.
+Speculative decoding pays when forward(k + 1) costs little more than forward(1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.kv_cache import ModelRunner
+
+
+@dataclass(frozen=True)
+class Hardware:
+    read_bandwidth: float  # bytes/s, reading a tensor far larger than the caches
+    matmul_flops: float  # FLOP/s of a large square matrix product in the model's dtype
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    new_tokens: int
+    seconds: float  # median of the repeats
+    bandwidth_floor: float
+    compute_floor: float
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_hardware(dtype: torch.dtype = torch.float32, device: str = "cpu") -> Hardware:
+    big = torch.ones(64 * 1024 * 1024, dtype=torch.float32, device=device)  # 256 MB
+    read = median_seconds(lambda: _sync(big.sum()), repeats=5)
+    a = torch.randn(1024, 1024, dtype=dtype, device=device)
+    product = median_seconds(lambda: _sync(a @ a), repeats=5)
+    return Hardware(read_bandwidth=big.numel() * 4 / read, matmul_flops=2 * 1024**3 / product)
+
+
+def _sync(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return x
+
+
+def weight_bytes(model: PreTrainedModel) -> int:
+    """Bytes a forward reads: every parameter once, the tied embedding counted once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def forward_flops(model: PreTrainedModel, new_tokens: int, context: int) -> float:
+    config = model.config.get_text_config()
+    embedding = model.get_input_embeddings().weight.numel()
+    matmul_params = sum(p.numel() for p in model.parameters() if p.dim() == 2) - embedding
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    head = embedding if tied else 0  # the output head is a matrix product too (one logit row here)
+    attention = 4 * new_tokens * context * config.hidden_size * config.num_hidden_layers
+    return 2 * matmul_params * new_tokens + 2 * head + attention
+
+
+def profile_forward(
+    runner: ModelRunner,
+    model: PreTrainedModel,
+    hardware: Hardware,
+    new_tokens: tuple[int, ...] = (1, 2, 4, 8, 16),
+    prefix: int = 200,
+    repeats: int = 7,
+) -> list[ForwardCost]:
+    """Median time of a cached forward over n new tokens after a prefix, beside the floors."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, runner.vocab_size, (prefix + max(new_tokens),), generator=generator)
+    runner.reset()
+    runner.forward(tokens[:prefix], 1)  # prefill once; each timed forward rolls back to here
+
+    def forward(n: int) -> torch.Tensor:
+        runner.crop(prefix)
+        return runner.forward(tokens[prefix : prefix + n], 1)
+
+    return [
+        ForwardCost(
+            n,
+            median_seconds(lambda: forward(n), repeats),
+            bandwidth_floor=weight_bytes(model) / hardware.read_bandwidth,
+            compute_floor=forward_flops(model, n, prefix + n) / hardware.matmul_flops,
+        )
+        for n in new_tokens
+    ]

@@ -1,0 +1,85 @@
+"""The fast Llama-family path gives transformers' logits, through prefill, drafts and rollbacks.
+
+Tolerance: float32 logits within atol = rtol = 1e-5 of transformers' (in practice they are
+bitwise equal on this CPU: the same products in the same order); bfloat16 within 2e-2.
+"""
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from conftest import tiny_gpt2, tiny_llama
+from specdecode import SpeculativeEngine, fast_llama
+from specdecode.drafters import PromptLookupDrafter
+from specdecode.fast_llama import FastLlamaRunner
+from specdecode.kv_cache import CachedSequence, HFModelRunner, runner_for
+from test_greedy import PROMPTS, hf_greedy
+
+
+def tiny_qwen2(seed: int):
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3, use_sliding_window=False,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # random init leaves the q/k/v biases at zero; make them count
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.normal_(0, 0.3)
+            layer.self_attn.k_proj.bias.normal_(0, 0.3)
+    return model
+
+
+def tiny_mistral(seed: int):
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=128, initializer_range=0.3, sliding_window=None,
+    )
+    return MistralForCausalLM(config).eval()
+
+
+# what a speculative run asks: prefill, verify drafts, roll back, verify again, ...
+STEPS = [(list(range(1, 21)), 1), (list(range(1, 26)), 6), (list(range(1, 23)) + [5, 6], 3), (list(range(1, 24)), 1)]
+
+
+@pytest.mark.parametrize("family", [tiny_llama, tiny_qwen2, tiny_mistral], ids=["llama", "qwen2", "mistral"])
+def test_logits_match_transformers_through_rollbacks(family):
+    model = family(seed=3)
+    fast, reference = CachedSequence(FastLlamaRunner(model)), CachedSequence(HFModelRunner(model))
+    for tokens, num_logits in STEPS:
+        tokens = [t % 24 for t in tokens]
+        torch.testing.assert_close(
+            fast.logits(tokens, num_logits), reference.logits(tokens, num_logits), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_bfloat16_logits_are_close_to_transformers_bfloat16():
+    model = tiny_llama(seed=3).to(torch.bfloat16)
+    fast, reference = CachedSequence(FastLlamaRunner(model)), CachedSequence(HFModelRunner(model))
+    for tokens, num_logits in STEPS:
+        tokens = [t % 24 for t in tokens]
+        torch.testing.assert_close(fast.logits(tokens, num_logits), reference.logits(tokens, num_logits), atol=2e-2, rtol=2e-2)
+
+
+def test_cache_grows_past_its_initial_capacity(monkeypatch):
+    monkeypatch.setattr(fast_llama, "INITIAL_CAPACITY", 8)
+    model = tiny_llama(seed=3)
+    runner = FastLlamaRunner(model)
+    engine = SpeculativeEngine(runner, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
+    result = engine.generate([PROMPTS[1]], max_new_tokens=40)[0]
+    assert runner._capacity >= len(PROMPTS[1]) + 40 - 1
+    assert result.token_ids == hf_greedy(model, PROMPTS[1], 40)
+
+
+def test_runner_choice():
+    assert isinstance(runner_for(tiny_llama(seed=1)), FastLlamaRunner)
+    assert isinstance(runner_for(tiny_llama(seed=1), "transformers"), HFModelRunner)
+    assert isinstance(runner_for(tiny_gpt2(seed=1)), HFModelRunner)  # not supported: transformers' path
+    with pytest.raises(ValueError, match="the fast runner supports"):
+        runner_for(tiny_gpt2(seed=1), "fast")
+    with pytest.raises(ValueError, match="unknown runner"):
+        runner_for(tiny_llama(seed=1), "turbo")
+    assert not fast_llama.supports(MistralForCausalLM(MistralConfig(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=1, sliding_window=16)))
