@@ -122,6 +122,50 @@ def _comparison_line(comparison: dict) -> str:
     )
 
 
+@app.command()
+def profile(
+    target: Annotated[str, typer.Option(help="Model to profile: short name, folder, .gguf file or Hub id.")] = DEFAULT_TARGET,
+    draft: Annotated[Optional[str], typer.Option(help="Also profile this draft model.")] = None,
+    runner: Annotated[str, typer.Option(help="auto, fast, transformers, or both (fast and transformers side by side).")] = "both",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    prefix: Annotated[int, typer.Option(help="Cached tokens before the timed forward.")] = 200,
+    repeats: Annotated[int, typer.Option(help="Timed forwards per size (the median is shown).")] = 7,
+) -> None:
+    """Time cached forwards over 1-16 new tokens beside the memory-bandwidth and compute floors."""
+    from specdecode.kv_cache import runner_for
+    from specdecode.models import load_model
+    from specdecode.profiling import measure_hardware, profile_forward, render_table
+
+    console = Console()
+    with user_errors():
+        if prefix < 1 or repeats < 1:
+            raise InvalidArgumentError("--prefix and --repeats must be at least 1")
+        runners = ["fast", "transformers"] if runner == "both" else [runner]
+        for name in [target] + ([draft] if draft else []):
+            with stderr.status(f"Loading {name}"):
+                model, _ = load_model(name, device, dtype)
+            with stderr.status("Measuring memory bandwidth and matrix-product rate"):
+                hardware = measure_hardware(model.dtype, str(model.device))
+            console.print(
+                f"{name} ({model.dtype}, {model.device}): read bandwidth {hardware.read_bandwidth / 1e9:.1f} GB/s, "
+                f"matrix products {hardware.matmul_flops / 1e9:.1f} GFLOP/s"
+            )
+            for choice in runners:
+                if choice == "fast" and runner == "both" and not _fast_supported(model):
+                    continue
+                model_runner = runner_for(model, choice)
+                with stderr.status(f"Timing {type(model_runner).__name__}"):
+                    costs = profile_forward(model_runner, model, hardware, prefix=prefix, repeats=repeats)
+                console.print(render_table(f"{name}: {type(model_runner).__name__}, after {prefix} cached tokens", costs))
+
+
+def _fast_supported(model) -> bool:
+    from specdecode import fast_llama
+
+    return fast_llama.supports(model)
+
+
 def main() -> None:
     app()
 

@@ -82,7 +82,10 @@ def profile_forward(
     prefix: int = 200,
     repeats: int = 7,
 ) -> list[ForwardCost]:
-    """Median time of a cached forward over n new tokens after a prefix, beside the floors."""
+    """Median time of a cached forward over n new tokens after a prefix, beside the floors.
+
+    Each forward returns logits for all n positions, as verifying n - 1 drafts needs.
+    """
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, runner.vocab_size, (prefix + max(new_tokens),), generator=generator)
     runner.reset()
@@ -90,7 +93,7 @@ def profile_forward(
 
     def forward(n: int) -> torch.Tensor:
         runner.crop(prefix)
-        return runner.forward(tokens[prefix : prefix + n], 1)
+        return runner.forward(tokens[prefix : prefix + n], n)
 
     return [
         ForwardCost(
@@ -101,3 +104,24 @@ def profile_forward(
         )
         for n in new_tokens
     ]
+
+
+def render_table(title: str, costs: list[ForwardCost]):
+    """A rich table: each measured time beside its two floors and the cost relative to 1 token."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("new tokens", "forward ms", "x 1-token", "bandwidth floor ms", "compute floor ms", "x max floor"):
+        table.add_column(column, justify="right")
+    one = costs[0].seconds
+    for c in costs:
+        floor = max(c.bandwidth_floor, c.compute_floor)
+        table.add_row(
+            str(c.new_tokens),
+            f"{c.seconds * 1e3:.1f}",
+            f"{c.seconds / one:.2f}",
+            f"{c.bandwidth_floor * 1e3:.1f}",
+            f"{c.compute_floor * 1e3:.1f}",
+            f"{c.seconds / floor:.1f}",
+        )
+    return table
