@@ -2,7 +2,7 @@
 
 Same weights and the same arithmetic as transformers' modeling, without its per-call
 machinery, and shaped for speculative decoding:
-- a static KV cache, allocated once and grown by doubling: rollback is `length = n`;
+- a static KV cache (kv_cache.StaticKVCache): rollback moves a length, copies nothing;
 - fused projections (q|k|v, gate|up): fewer, larger matrix products;
 - logits only for the positions the caller asks for.
 
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+
+from specdecode.kv_cache import StaticKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
@@ -64,36 +66,35 @@ class FastLlamaRunner:
         self.lm_head = model.get_output_embeddings().weight
         self.layers = [_fuse(layer) for layer in model.model.layers]
         self._rotary = model.model.rotary_emb
-        self._capacity = 0
-        self._length = 0
-        self._grow(min(INITIAL_CAPACITY, self.max_length))
+        self.cache = StaticKVCache(
+            len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, INITIAL_CAPACITY
+        )
+        self._cos = self._sin = torch.empty(0, self.head_dim)
 
     @property
     def cache_length(self) -> int:
-        return self._length
+        return self.cache.length
 
     def reset(self) -> None:
-        self._length = 0
+        self.cache.crop(0)
 
     def crop(self, length: int) -> None:
-        self._length = min(self._length, length)  # the rows past it are simply overwritten later
+        self.cache.crop(length)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        start, n = self._length, token_ids.shape[0]
-        if start + n > self._capacity:
-            self._grow(max(start + n, 2 * self._capacity))
+        start, n = self.cache.length, token_ids.shape[0]
+        self.cache.reserve(n)
+        if self._cos.shape[0] < self.cache.capacity:
+            self._rope_tables(self.cache.capacity)
         x = F.embedding(token_ids.to(self.device), self.embed)  # [n, hidden]
         cos, sin = self._cos[start : start + n], self._sin[start : start + n]  # [n, head_dim]
-        # a query sees every cached key and the new keys up to its own position
-        mask = None
-        if n > 1:
-            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        mask = self.cache.causal_mask(n)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, mask, start)
+            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, mask)
             gate, up = F.linear(_rms_norm(x, layer.mlp_norm, self.eps), layer.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down)
-        self._length = start + n
+        self.cache.advance(n)
         logits = F.linear(_rms_norm(x[-num_logits:], self.final_norm, self.eps), self.lm_head)
         return logits.float().cpu()  # [num_logits, vocab]
 
@@ -104,8 +105,7 @@ class FastLlamaRunner:
         h: torch.Tensor,  # [n, hidden]
         cos: torch.Tensor,  # [n, head_dim]
         sin: torch.Tensor,  # [n, head_dim]
-        mask: torch.Tensor | None,  # [n, start + n] bool, None when n == 1
-        start: int,
+        mask: torch.Tensor | None,  # [n, cached + n] bool, None when n == 1
     ) -> torch.Tensor:  # [n, hidden]
         n, d = h.shape[0], self.head_dim
         q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split(
@@ -113,28 +113,14 @@ class FastLlamaRunner:
         )
         q = _rope(q.view(n, self.num_heads, d).transpose(0, 1), cos, sin)  # [heads, n, d]
         k = _rope(k.view(n, self.num_kv_heads, d).transpose(0, 1), cos, sin)  # [kv_heads, n, d]
-        end = start + n
-        self._keys[index, :, start:end] = k
-        self._values[index, :, start:end] = v.view(n, self.num_kv_heads, d).transpose(0, 1)
+        keys, values = self.cache.write(index, k, v.view(n, self.num_kv_heads, d).transpose(0, 1))
         out = F.scaled_dot_product_attention(
-            q[None],
-            self._keys[index, :, :end][None],
-            self._values[index, :, :end][None],
-            attn_mask=mask,
-            enable_gqa=True,
+            q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True
         )  # [1, heads, n, d]
         return F.linear(out[0].transpose(0, 1).reshape(n, self.num_heads * d), layer.wo)
 
-    def _grow(self, capacity: int) -> None:
-        capacity = min(capacity, self.max_length)
-        shape = (len(self.layers), self.num_kv_heads, capacity, self.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if self._capacity:
-            keys[:, :, : self._length] = self._keys[:, :, : self._length]
-            values[:, :, : self._length] = self._values[:, :, : self._length]
-        self._keys, self._values, self._capacity = keys, values, capacity
-        positions = torch.arange(capacity, device=self.device)[None]
+    def _rope_tables(self, length: int) -> None:
+        positions = torch.arange(length, device=self.device)[None]
         cos, sin = self._rotary(self.embed[:1][None], positions)  # transformers' own rope tables
         self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
 

@@ -74,24 +74,88 @@ class HFModelRunner:
             self._length = length
 
 
+class StaticKVCache:
+    """Keys and values of every layer in preallocated tensors, for the fast runners.
+
+    Rolling back is `crop(n)`: rows past n are overwritten by the next forward, so nothing
+    is copied or freed. Capacity doubles when a sequence outgrows it.
+    """
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, max_length: int, dtype, device, capacity: int = 1024
+    ):
+        self.shape = (num_layers, num_kv_heads, 0, head_dim)
+        self.max_length, self.dtype, self.device = max_length, dtype, device
+        self.length = 0
+        self.capacity = 0
+        self.keys = self.values = torch.empty(self.shape, dtype=dtype, device=device)
+        self._grow(min(capacity, max_length))
+
+    def reserve(self, num_new: int) -> None:
+        """Make room for num_new more positions."""
+        if self.length + num_new > self.capacity:
+            self._grow(max(self.length + num_new, 2 * self.capacity))
+
+    def write(
+        self,
+        layer: int,
+        keys: torch.Tensor,  # [kv_heads, n, head_dim], for positions length .. length + n - 1
+        values: torch.Tensor,  # [kv_heads, n, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # all keys and values so far: [kv_heads, length + n, head_dim]
+        end = self.length + keys.shape[1]
+        self.keys[layer, :, self.length : end] = keys
+        self.values[layer, :, self.length : end] = values
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def advance(self, num_new: int) -> None:
+        """The positions written by the last forward (every layer) are now cached."""
+        self.length += num_new
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def causal_mask(self, num_new: int) -> torch.Tensor | None:
+        """[num_new, length + num_new] bool: a new token sees the cache and the new tokens up to itself."""
+        if num_new == 1:
+            return None  # one query sees everything
+        mask = torch.ones(num_new, self.length + num_new, dtype=torch.bool, device=self.device)
+        return mask.tril(diagonal=self.length)
+
+    def _grow(self, capacity: int) -> None:
+        capacity = min(capacity, self.max_length)
+        layers, heads, _, dim = self.shape
+        keys = torch.empty(layers, heads, capacity, dim, dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+
 RUNNERS = ("auto", "fast", "transformers")
 
 
 def runner_for(model: PreTrainedModel, runner: str = "auto") -> ModelRunner:
-    """The fastest runner that supports the model: the lean path where it applies, else transformers'."""
-    from specdecode import fast_llama
+    """The fastest runner that supports the model: a lean fast path where one applies, else transformers'."""
     from specdecode.errors import InvalidArgumentError
 
     if runner not in RUNNERS:
         raise InvalidArgumentError(f"unknown runner '{runner}'; choose one of: {', '.join(RUNNERS)}")
-    if runner == "fast" and not fast_llama.supports(model):
+    fast = _fast_runner_class(model) if runner != "transformers" else None
+    if runner == "fast" and fast is None:
         raise InvalidArgumentError(
-            f"the fast runner supports {', '.join(fast_llama.SUPPORTED_MODEL_TYPES)} models, "
+            f"the fast runner supports Llama-family (llama, mistral, qwen2) and GPT-2 models, "
             f"not {model.config.model_type}; use --runner auto"
         )
-    if runner != "transformers" and fast_llama.supports(model):
-        return fast_llama.FastLlamaRunner(model)
-    return HFModelRunner(model)
+    return fast(model) if fast is not None else HFModelRunner(model)
+
+
+def _fast_runner_class(model: PreTrainedModel) -> type | None:
+    from specdecode import fast_gpt2, fast_llama
+
+    for module, runner_class in ((fast_llama, fast_llama.FastLlamaRunner), (fast_gpt2, fast_gpt2.FastGPT2Runner)):
+        if module.supports(model):
+            return runner_class
+    return None
 
 
 class CachedSequence:

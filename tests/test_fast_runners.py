@@ -1,4 +1,4 @@
-"""The fast Llama-family path gives transformers' logits, through prefill, drafts and rollbacks.
+"""The fast paths (Llama family, GPT-2) give transformers' logits, through prefill, drafts and rollbacks.
 
 Tolerance: float32 logits within atol = rtol = 1e-5 of transformers' (in practice they are
 bitwise equal on this CPU: the same products in the same order); bfloat16 within 2e-2.
@@ -6,11 +6,19 @@ bitwise equal on this CPU: the same products in the same order); bfloat16 within
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from conftest import tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine, fast_llama
 from specdecode.drafters import PromptLookupDrafter
+from specdecode.fast_gpt2 import FastGPT2Runner
 from specdecode.fast_llama import FastLlamaRunner
 from specdecode.kv_cache import CachedSequence, HFModelRunner, runner_for
 from test_greedy import PROMPTS, hf_greedy
@@ -43,10 +51,12 @@ def tiny_mistral(seed: int):
 STEPS = [(list(range(1, 21)), 1), (list(range(1, 26)), 6), (list(range(1, 23)) + [5, 6], 3), (list(range(1, 24)), 1)]
 
 
-@pytest.mark.parametrize("family", [tiny_llama, tiny_qwen2, tiny_mistral], ids=["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    "family", [tiny_llama, tiny_qwen2, tiny_mistral, tiny_gpt2], ids=["llama", "qwen2", "mistral", "gpt2"]
+)
 def test_logits_match_transformers_through_rollbacks(family):
     model = family(seed=3)
-    fast, reference = CachedSequence(FastLlamaRunner(model)), CachedSequence(HFModelRunner(model))
+    fast, reference = CachedSequence(runner_for(model, "fast")), CachedSequence(HFModelRunner(model))
     for tokens, num_logits in STEPS:
         tokens = [t % 24 for t in tokens]
         torch.testing.assert_close(
@@ -68,16 +78,19 @@ def test_cache_grows_past_its_initial_capacity(monkeypatch):
     runner = FastLlamaRunner(model)
     engine = SpeculativeEngine(runner, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
     result = engine.generate([PROMPTS[1]], max_new_tokens=40)[0]
-    assert runner._capacity >= len(PROMPTS[1]) + 40 - 1
+    assert runner.cache.capacity >= len(PROMPTS[1]) + 40 - 1
     assert result.token_ids == hf_greedy(model, PROMPTS[1], 40)
 
 
 def test_runner_choice():
     assert isinstance(runner_for(tiny_llama(seed=1)), FastLlamaRunner)
+    assert isinstance(runner_for(tiny_gpt2(seed=1)), FastGPT2Runner)
     assert isinstance(runner_for(tiny_llama(seed=1), "transformers"), HFModelRunner)
-    assert isinstance(runner_for(tiny_gpt2(seed=1)), HFModelRunner)  # not supported: transformers' path
+    unsupported = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    assert isinstance(runner_for(unsupported), HFModelRunner)  # transformers' own path
     with pytest.raises(ValueError, match="the fast runner supports"):
-        runner_for(tiny_gpt2(seed=1), "fast")
+        runner_for(unsupported, "fast")
     with pytest.raises(ValueError, match="unknown runner"):
         runner_for(tiny_llama(seed=1), "turbo")
     assert not fast_llama.supports(MistralForCausalLM(MistralConfig(

@@ -1,0 +1,117 @@
+"""A lean forward pass for GPT-2 models (gpt2, distilgpt2, gpt2-medium, ...).
+
+The GPT-2 counterpart of fast_llama.py: transformers' weights and arithmetic, a static KV
+cache with in-place rollback, logits only where asked. GPT-2 stores its projections as
+Conv1D, [in, out], so each product is one `addmm` with the bias fused in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from specdecode.kv_cache import StaticKVCache
+
+INITIAL_CAPACITY = 1024
+
+
+def supports(model: PreTrainedModel) -> bool:
+    config = model.config
+    return (
+        config.model_type == "gpt2"
+        and not config.add_cross_attention
+        and not config.reorder_and_upcast_attn
+    )
+
+
+@dataclass
+class _Block:
+    ln_1: tuple[torch.Tensor, torch.Tensor]  # weight, bias [hidden]
+    c_attn: tuple[torch.Tensor, torch.Tensor]  # [hidden, 3 * hidden], [3 * hidden]
+    attn_proj: tuple[torch.Tensor, torch.Tensor]  # [hidden, hidden], [hidden]
+    ln_2: tuple[torch.Tensor, torch.Tensor]
+    c_fc: tuple[torch.Tensor, torch.Tensor]  # [hidden, inner], [inner]
+    mlp_proj: tuple[torch.Tensor, torch.Tensor]  # [inner, hidden], [hidden]
+    scale: float  # attention scaling, per layer when scale_attn_by_inverse_layer_idx
+
+
+class FastGPT2Runner:
+    """One sequence at a time, on the model's device and dtype."""
+
+    def __init__(self, model: PreTrainedModel):
+        if not supports(model):
+            raise ValueError(f"FastGPT2Runner does not support this {model.config.model_type} model")
+        config, transformer = model.config, model.transformer
+        self.model = model
+        self.num_heads = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.eps = config.layer_norm_epsilon
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_length = int(config.n_positions)
+        self.device, self.dtype = model.device, model.dtype
+        self.wte, self.wpe = transformer.wte.weight, transformer.wpe.weight
+        self.ln_f = (transformer.ln_f.weight, transformer.ln_f.bias)
+        self.lm_head = model.get_output_embeddings().weight
+        self.act = transformer.h[0].mlp.act  # transformers' own activation (gelu_new for GPT-2)
+        self.blocks = [_block(block) for block in transformer.h]
+        self.cache = StaticKVCache(
+            len(self.blocks), self.num_heads, self.head_dim, self.max_length, self.dtype, self.device, INITIAL_CAPACITY
+        )
+
+    @property
+    def cache_length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.crop(0)
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        start, n = self.cache.length, token_ids.shape[0]
+        self.cache.reserve(n)
+        positions = torch.arange(start, start + n, device=self.device)
+        x = F.embedding(token_ids.to(self.device), self.wte) + F.embedding(positions, self.wpe)  # [n, hidden]
+        mask = self.cache.causal_mask(n)
+        for i, block in enumerate(self.blocks):
+            x = x + self._attention(i, block, F.layer_norm(x, x.shape[-1:], *block.ln_1, self.eps), mask)
+            h = self.act(torch.addmm(block.c_fc[1], F.layer_norm(x, x.shape[-1:], *block.ln_2, self.eps), block.c_fc[0]))
+            x = x + torch.addmm(block.mlp_proj[1], h, block.mlp_proj[0])
+        self.cache.advance(n)
+        x = F.layer_norm(x[-num_logits:], x.shape[-1:], *self.ln_f, self.eps)
+        return F.linear(x, self.lm_head).float().cpu()  # [num_logits, vocab]
+
+    def _attention(
+        self,
+        index: int,
+        block: _Block,
+        h: torch.Tensor,  # [n, hidden]
+        mask: torch.Tensor | None,  # [n, cached + n] bool, None when n == 1
+    ) -> torch.Tensor:  # [n, hidden]
+        n, hidden = h.shape
+        q, k, v = (
+            torch.addmm(block.c_attn[1], h, block.c_attn[0]).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        )  # each [heads, n, head_dim]
+        keys, values = self.cache.write(index, k, v)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=block.scale)
+        return torch.addmm(block.attn_proj[1], out[0].transpose(0, 1).reshape(n, hidden), block.attn_proj[0])
+
+
+def _block(block: torch.nn.Module) -> _Block:
+    def pair(module):
+        return module.weight.detach(), module.bias.detach()
+
+    return _Block(
+        ln_1=pair(block.ln_1),
+        c_attn=pair(block.attn.c_attn),
+        attn_proj=pair(block.attn.c_proj),
+        ln_2=pair(block.ln_2),
+        c_fc=pair(block.mlp.c_fc),
+        mlp_proj=pair(block.mlp.c_proj),
+        scale=block.attn.scaling,
+    )
