@@ -4,6 +4,7 @@ Same weights and the same arithmetic as transformers' modeling, without its per-
 machinery, and shaped for speculative decoding:
 - a static KV cache (kv_cache.StaticKVCache): rollback moves a length, copies nothing;
 - fused projections (q|k|v, gate|up): fewer, larger matrix products;
+- optional weight-only int8 for the layers' products (quantization.py);
 - logits only for the positions the caller asks for.
 
 It implements `kv_cache.ModelRunner`; `supports(model)` says when it applies. Outputs
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specdecode.kv_cache import StaticKVCache
+from specdecode.quantization import Projection, projection
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
@@ -38,18 +40,18 @@ def supports(model: PreTrainedModel) -> bool:
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    bqkv: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim], Qwen2 only
-    wo: torch.Tensor  # [hidden, heads * head_dim]
+    qkv: Projection  # hidden -> (heads + 2 * kv_heads) * head_dim, with a bias in Qwen2
+    o: Projection  # heads * head_dim -> hidden
     mlp_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    w_down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Projection  # hidden -> 2 * intermediate
+    down: Projection  # intermediate -> hidden
 
 
 class FastLlamaRunner:
-    """One sequence at a time, on the model's device and dtype."""
+    """One sequence at a time, on the model's device and dtype; quantization="int8" stores the
+    layers' products as weight-only int8 (the embedding and output head stay as they are)."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, quantization: str | None = None):
         if not supports(model):
             raise ValueError(f"FastLlamaRunner does not support {model.config.model_type} models")
         config = model.config
@@ -64,7 +66,7 @@ class FastLlamaRunner:
         self.embed = model.get_input_embeddings().weight
         self.final_norm = model.model.norm.weight
         self.lm_head = model.get_output_embeddings().weight
-        self.layers = [_fuse(layer) for layer in model.model.layers]
+        self.layers = [_fuse(layer, quantization) for layer in model.model.layers]
         self._rotary = model.model.rotary_emb
         self.cache = StaticKVCache(
             len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, INITIAL_CAPACITY
@@ -92,8 +94,8 @@ class FastLlamaRunner:
         mask = self.cache.causal_mask(n)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, mask)
-            gate, up = F.linear(_rms_norm(x, layer.mlp_norm, self.eps), layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         self.cache.advance(n)
         logits = F.linear(_rms_norm(x[-num_logits:], self.final_norm, self.eps), self.lm_head)
         return logits.float().cpu()  # [num_logits, vocab]
@@ -108,7 +110,7 @@ class FastLlamaRunner:
         mask: torch.Tensor | None,  # [n, cached + n] bool, None when n == 1
     ) -> torch.Tensor:  # [n, hidden]
         n, d = h.shape[0], self.head_dim
-        q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split(
+        q, k, v = layer.qkv(h).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
         )
         q = _rope(q.view(n, self.num_heads, d).transpose(0, 1), cos, sin)  # [heads, n, d]
@@ -117,7 +119,7 @@ class FastLlamaRunner:
         out = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True
         )  # [1, heads, n, d]
-        return F.linear(out[0].transpose(0, 1).reshape(n, self.num_heads * d), layer.wo)
+        return layer.o(out[0].transpose(0, 1).reshape(n, self.num_heads * d))
 
     def _rope_tables(self, length: int) -> None:
         positions = torch.arange(length, device=self.device)[None]
@@ -125,17 +127,17 @@ class FastLlamaRunner:
         self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
 
 
-def _fuse(layer: torch.nn.Module) -> _Layer:
+def _fuse(layer: torch.nn.Module, quantization: str | None) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
-    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    q_k_v = (attn.q_proj, attn.k_proj, attn.v_proj)
+    qkv_bias = torch.cat([p.bias for p in q_k_v]) if attn.q_proj.bias is not None else None
     return _Layer(
-        attn_norm=layer.input_layernorm.weight,
-        wqkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-        bqkv=torch.cat(biases).detach() if biases[0] is not None else None,
-        wo=attn.o_proj.weight.detach(),
+        attn_norm=layer.input_layernorm.weight.detach(),
+        qkv=projection(torch.cat([p.weight for p in q_k_v]), qkv_bias, quantization),
+        o=projection(attn.o_proj.weight, None, quantization),
         mlp_norm=layer.post_attention_layernorm.weight.detach(),
-        w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-        w_down=mlp.down_proj.weight.detach(),
+        gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization),
+        down=projection(mlp.down_proj.weight, None, quantization),
     )
 
 

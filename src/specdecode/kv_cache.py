@@ -134,9 +134,10 @@ class StaticKVCache:
 RUNNERS = ("auto", "fast", "transformers")
 
 
-def runner_for(model: PreTrainedModel, runner: str = "auto") -> ModelRunner:
+def runner_for(model: PreTrainedModel, runner: str = "auto", quantization: str | None = None) -> ModelRunner:
     """The fastest runner that supports the model: a lean fast path where one applies, else transformers'."""
     from specdecode.errors import InvalidArgumentError
+    from specdecode.fast_llama import FastLlamaRunner
 
     if runner not in RUNNERS:
         raise InvalidArgumentError(f"unknown runner '{runner}'; choose one of: {', '.join(RUNNERS)}")
@@ -146,7 +147,13 @@ def runner_for(model: PreTrainedModel, runner: str = "auto") -> ModelRunner:
             f"the fast runner supports Llama-family (llama, mistral, qwen2) and GPT-2 models, "
             f"not {model.config.model_type}; use --runner auto"
         )
-    return fast(model) if fast is not None else HFModelRunner(model)
+    if quantization is None:
+        return fast(model) if fast is not None else HFModelRunner(model)
+    if fast is not FastLlamaRunner:
+        raise InvalidArgumentError(
+            f"--quantize {quantization} runs on the Llama-family fast runner, not on {model.config.model_type} models"
+        )
+    return FastLlamaRunner(model, quantization)
 
 
 def _fast_runner_class(model: PreTrainedModel) -> type | None:

@@ -1,0 +1,38 @@
+"""Weight-only int8: the product equals the one with the dequantized weight."""
+
+import pytest
+import torch
+
+from conftest import tiny_gpt2, tiny_llama
+from specdecode.fast_llama import FastLlamaRunner
+from specdecode.kv_cache import CachedSequence, runner_for
+from specdecode.quantization import projection
+
+
+def test_int8_rounding_error_is_at_most_half_a_step():
+    weight = torch.randn(48, 32)
+    int8 = projection(weight, None, "int8")
+    assert int8.weight.dtype == torch.int8
+    dequantized = int8.weight.float() * int8.scales[:, None]
+    assert ((dequantized - weight).abs() <= int8.scales[:, None] / 2 + 1e-7).all()
+
+
+def test_int8_product_equals_the_product_with_the_dequantized_weight():
+    weight, bias, x = torch.randn(48, 32), torch.randn(48), torch.randn(5, 32)
+    int8 = projection(weight, bias, "int8")
+    expected = x @ (int8.weight.float() * int8.scales[:, None]).T + bias
+    torch.testing.assert_close(int8(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_runner_stays_close_to_full_precision():
+    model = tiny_llama(seed=3, init=0.1)
+    full, int8 = CachedSequence(runner_for(model)), CachedSequence(runner_for(model, quantization="int8"))
+    tokens = [3, 5, 7, 2, 9, 11, 4]
+    full_logits, int8_logits = full.logits(tokens, 4), int8.logits(tokens, 4)
+    assert isinstance(int8.runner, FastLlamaRunner)
+    assert (int8_logits - full_logits).abs().max() < 0.05 * full_logits.abs().max()
+
+
+def test_int8_is_refused_where_it_does_not_run():
+    with pytest.raises(ValueError, match="runs on the Llama-family fast runner"):
+        runner_for(tiny_gpt2(seed=1), quantization="int8")
