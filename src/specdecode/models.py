@@ -164,21 +164,22 @@ def converted_gguf(gguf: Path) -> Path:
 def _convert_gguf(gguf: Path, folder: Path) -> None:
     from rich.console import Console
 
-    with Console(stderr=True).status(f"Converting {gguf.name} to safetensors (once; cached in {folder})"):
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # save_pretrained refuses gguf-quantized models; the weights are already dequantized
-        del model.config.quantization_config
-        model.hf_quantizer = None
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-        try:
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            staging.rename(folder)  # atomic: a crash never leaves a half-written model behind
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+    # transformers shows its own progress bar while it dequantizes the tensors
+    Console(stderr=True).print(f"Converting {gguf.name} to safetensors, once (cached in {folder})")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses gguf-quantized models; the weights are already dequantized
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(folder)  # atomic: a crash never leaves a half-written model behind
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def check_same_vocabulary(
