@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.kv_cache import StaticKVCache
+from specdecode.kv_cache import StaticCacheRunner, StaticKVCache
 
 INITIAL_CAPACITY = 1024
 
@@ -38,7 +38,7 @@ class _Block:
     scale: float  # attention scaling, per layer when scale_attn_by_inverse_layer_idx
 
 
-class FastGPT2Runner:
+class FastGPT2Runner(StaticCacheRunner):
     """One sequence at a time, on the model's device and dtype."""
 
     def __init__(self, model: PreTrainedModel):
@@ -60,16 +60,6 @@ class FastGPT2Runner:
         self.cache = StaticKVCache(
             len(self.blocks), self.num_heads, self.head_dim, self.max_length, self.dtype, self.device, INITIAL_CAPACITY
         )
-
-    @property
-    def cache_length(self) -> int:
-        return self.cache.length
-
-    def reset(self) -> None:
-        self.cache.crop(0)
-
-    def crop(self, length: int) -> None:
-        self.cache.crop(length)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.kv_cache import StaticKVCache
+from specdecode.kv_cache import StaticCacheRunner, StaticKVCache
 from specdecode.quantization import Projection, projection
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -47,7 +47,7 @@ class _Layer:
     down: Projection  # intermediate -> hidden
 
 
-class FastLlamaRunner:
+class FastLlamaRunner(StaticCacheRunner):
     """One sequence at a time, on the model's device and dtype; quantization="int8" stores the
     layers' products as weight-only int8 (the embedding and output head stay as they are)."""
 
@@ -72,16 +72,6 @@ class FastLlamaRunner:
             len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, INITIAL_CAPACITY
         )
         self._cos = self._sin = torch.empty(0, self.head_dim)
-
-    @property
-    def cache_length(self) -> int:
-        return self.cache.length
-
-    def reset(self) -> None:
-        self.cache.crop(0)
-
-    def crop(self, length: int) -> None:
-        self.cache.crop(length)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:

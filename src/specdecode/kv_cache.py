@@ -131,6 +131,22 @@ class StaticKVCache:
         self.keys, self.values, self.capacity = keys, values, capacity
 
 
+class StaticCacheRunner:
+    """The cache half of ModelRunner for runners that keep a StaticKVCache in `self.cache`."""
+
+    cache: StaticKVCache
+
+    @property
+    def cache_length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.crop(0)
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+
 RUNNERS = ("auto", "fast", "transformers")
 
 
