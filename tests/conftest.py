@@ -78,3 +78,21 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # two workers share the two cores; tiny models gain nothing from more
+
+
+def permuted_vocabulary(model, seed: int = 0):
+    """The same model and words under another tokenizer: ids permuted, embeddings and head rows too.
+
+    Drafting for `model` through text, it proposes exactly what model would: a cross-tokenizer
+    drafter with perfect agreement, built offline."""
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    perm = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))  # old id -> new id
+    words = WORDS[:2] + [f"w{i}" for i in range(vocab_size - 2)]
+    backend = Tokenizer(models.WordLevel({w: int(perm[i]) for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+    permuted = copy.deepcopy(model)
+    with torch.no_grad():
+        for weight in (permuted.get_input_embeddings().weight, permuted.get_output_embeddings().weight):
+            weight[perm] = weight.clone()
+    return permuted, tokenizer

@@ -14,9 +14,10 @@ import pytest
 import torch
 from scipy.stats import power_divergence
 
-from conftest import nearby_draft, tiny_gpt2, tiny_llama
+from conftest import nearby_draft, permuted_vocabulary, tiny_gpt2, tiny_llama, tiny_tokenizer
 from specdecode import SpeculativeEngine
-from specdecode.drafters import Draft, ModelDrafter, PromptLookupDrafter
+from specdecode.adaptive import AdaptiveDrafter
+from specdecode.drafters import CrossTokenizerDrafter, Draft, ModelDrafter, PromptLookupDrafter, self_quantized_drafter
 from specdecode.kv_cache import HFModelRunner
 
 ALPHA = 0.001
@@ -127,6 +128,30 @@ def test_one_hot_prompt_lookup_keeps_target_distribution():
     target, other = target_and_draft(tiny_llama)
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(min_ngram=1), num_speculative_tokens=3)
     counts = sample_counts(engine, 3, params, seed=7)
+    assert g_test_pvalue(counts, exact_joint(target, params)) > ALPHA
+    assert g_test_pvalue(counts, exact_joint(other, params)) < ALPHA
+
+
+def test_adaptive_self_quantized_drafter_that_stops_when_unsure_keeps_target_distribution():
+    """k changes from step to step with past acceptance, and drafts end where the draft is unsure."""
+    params = dict(temperature=1.0)
+    target, other = target_and_draft(tiny_llama)
+    engine = SpeculativeEngine(target, num_speculative_tokens=3)
+    drafter = self_quantized_drafter(target, "bfloat16", min_confidence=0.3)
+    engine.drafter = AdaptiveDrafter(drafter, engine.step_costs)
+    counts = sample_counts(engine, 3, params, seed=11)
+    assert g_test_pvalue(counts, exact_joint(target, params)) > ALPHA
+    assert g_test_pvalue(counts, exact_joint(other, params)) < ALPHA
+
+
+def test_cross_tokenizer_drafter_keeps_target_distribution_when_sampling():
+    """It drafts greedily through text: a deterministic, one-hot drafter, exact under sampling too."""
+    params = dict(temperature=0.7)
+    target, other = target_and_draft(tiny_llama)
+    draft, draft_tokenizer = permuted_vocabulary(other)
+    drafter = CrossTokenizerDrafter(HFModelRunner(draft), draft_tokenizer, tiny_tokenizer(VOCAB))
+    engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=3)
+    counts = sample_counts(engine, 3, params, seed=13)
     assert g_test_pvalue(counts, exact_joint(target, params)) > ALPHA
     assert g_test_pvalue(counts, exact_joint(other, params)) < ALPHA
 

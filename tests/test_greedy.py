@@ -3,9 +3,16 @@
 import pytest
 import torch
 
-from conftest import tiny_gpt2, tiny_llama
+from conftest import permuted_vocabulary, tiny_gpt2, tiny_llama, tiny_tokenizer
 from specdecode import SpeculativeEngine
-from specdecode.drafters import ModelDrafter, PromptLookupDrafter
+from specdecode.adaptive import AdaptiveDrafter, StepCosts
+from specdecode.drafters import (
+    AutoDrafter,
+    CrossTokenizerDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    self_quantized_drafter,
+)
 from specdecode.kv_cache import HFModelRunner
 
 PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20]]
@@ -17,10 +24,20 @@ def hf_greedy(model, prompt, max_new_tokens):
 
 
 def drafters(target, family):
+    random_draft = family(seed=99)
     return {
-        "random draft (mostly rejected)": ModelDrafter(HFModelRunner(family(seed=99))),
+        "random draft (mostly rejected)": ModelDrafter(HFModelRunner(random_draft)),
         "target as its own draft (all accepted)": ModelDrafter(HFModelRunner(target)),
         "prompt lookup": PromptLookupDrafter(),
+        "prompt lookup, long n-grams, short copies": PromptLookupDrafter(2, 4, max_continuation=2, use_history=True),
+        "self-quantized bfloat16": self_quantized_drafter(target, "bfloat16"),
+        "self-quantized int8": self_quantized_drafter(target, "int8", min_confidence=0.5),
+        "cross-tokenizer, random draft": CrossTokenizerDrafter(
+            HFModelRunner(permuted_vocabulary(random_draft)[0]), permuted_vocabulary(random_draft)[1], tiny_tokenizer()
+        ),
+        "auto, adaptive": AutoDrafter(
+            [AdaptiveDrafter(PromptLookupDrafter(), StepCosts()), AdaptiveDrafter(ModelDrafter(HFModelRunner(target)), StepCosts())]
+        ),
     }
 
 

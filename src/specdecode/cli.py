@@ -46,9 +46,21 @@ def _quiet_transformers() -> None:
 def generate(
     prompt: Annotated[str, typer.Argument(help="The text to continue (or the user message, with --chat).")],
     target: Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")] = DEFAULT_TARGET,
-    draft: Annotated[Optional[str], typer.Option(help="Draft model with the target's tokenizer.")] = None,
-    drafter: Annotated[str, typer.Option(help="auto, model, prompt-lookup or none.")] = "auto",
-    k: Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Tokens drafted per step.")] = 4,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")] = None,
+    drafter: Annotated[
+        str, typer.Option(help="auto, model, prompt-lookup, self-quantized, cross-tokenizer or none.")
+    ] = "auto",
+    k: Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")] = 4,
+    adaptive: Annotated[
+        bool, typer.Option("--adaptive/--fixed-k", help="Choose k per step from measured acceptance and costs.")
+    ] = True,
+    ngram: Annotated[tuple[int, int], typer.Option(help="Prompt lookup: shortest and longest n-gram.")] = (1, 3),
+    max_continuation: Annotated[Optional[int], typer.Option(help="Prompt lookup: most tokens copied per step.")] = None,
+    lookup_history: Annotated[bool, typer.Option(help="Prompt lookup also searches earlier requests.")] = False,
+    quantization: Annotated[str, typer.Option(help="self-quantized drafter: bfloat16 or int8.")] = "bfloat16",
+    min_confidence: Annotated[
+        float, typer.Option(help="Model drafters stop after a token they give less probability.")
+    ] = 0.0,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
@@ -65,22 +77,32 @@ def generate(
     compare: Annotated[bool, typer.Option(help="Also run target-only decoding and print the speedup.")] = False,
 ) -> None:
     """Generate text with speculative decoding and print it with its stats."""
-    from specdecode.engine import SpeculativeEngine
+    from specdecode.engine import DrafterOptions, SpeculativeEngine
 
     with user_errors():
         _check_arguments(prompt, k, max_new_tokens, SamplingParams(temperature, top_k, top_p))
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
+            drafter_options = DrafterOptions(
+                adaptive, *ngram, max_continuation, lookup_history, quantization, min_confidence
+            )
             engine = SpeculativeEngine.from_pretrained(
-                target, draft, drafter, k, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+                target, draft, drafter, k, device, dtype, trust_remote_code, options=drafter_options
             )
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
         options = dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, chat=use_chat
         )
-        if compare:
+        if not compare:
+            result = engine.generate(prompt, seed=seed, **options)[0]
+        else:
             engine.generate(prompt, **(options | dict(max_new_tokens=2)))  # warm-up, so neither run pays it
-            baseline = engine.generate(prompt, seed=seed, speculative=False, **options)[0]
-        result = engine.generate(prompt, seed=seed, **options)[0]
+            # alternate the two, so a noisy neighbour on the machine slows both alike; keep the medians
+            runs = [
+                engine.generate(prompt, seed=seed, speculative=speculative, **options)[0]
+                for _ in range(COMPARE_ROUNDS)
+                for speculative in (False, True)
+            ]
+            baseline, result = _median_run(runs[0::2]), _median_run(runs[1::2])
 
     output = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}
     output["stats"] = result.stats.to_dict()
@@ -94,6 +116,40 @@ def generate(
         print("\n".join(lines))
 
 
+@app.command()
+def bench(
+    quick: Annotated[bool, typer.Option(help="One prompt per Spec-Bench task, 32 tokens, k = 2 and 4: a few minutes.")] = False,
+    output_dir: Annotated[Optional[str], typer.Option(help="Folder for results.json, report.md and the plots [default: bench-results].")] = None,
+    target: Annotated[Optional[str], typer.Option(help=f"Target model [default: {DEFAULT_TARGET}].")] = None,
+    draft: Annotated[Optional[list[str]], typer.Option(help="Draft model for the model drafter and HF assisted generation (repeatable).")] = None,
+    drafter: Annotated[Optional[list[str]], typer.Option(help="prompt-lookup and/or model (repeatable) [default: prompt-lookup, and model with --draft].")] = None,
+    k: Annotated[Optional[list[str]], typer.Option("-k", help="Tokens drafted per step, repeatable or comma-separated [default: 2,4,6].")] = None,
+    prompts: Annotated[Optional[str], typer.Option(help="JSONL prompts: Spec-Bench's question.jsonl or your own [default: the shipped subset].")] = None,
+    category: Annotated[Optional[list[str]], typer.Option(help="Only these categories (repeatable or comma-separated; mt-bench = its eight).")] = None,
+    prompts_per_category: Annotated[Optional[int], typer.Option(help="First N prompts of each category; 0 = all [default: 0].")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per prompt [default: 128].")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy [default: 0].")] = None,
+    runs: Annotated[Optional[int], typer.Option(help="Passes over the prompts [default: 1].")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the system order and of sampling [default: 0].")] = None,
+    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template [default: on if the model has one].")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda [default: auto].")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 [default: auto].")] = None,
+) -> None:
+    """Benchmark against transformers on Spec-Bench prompts; write results.json, report.md and plots."""
+    from specdecode.bench import BenchConfig, overall_table, run_benchmark, write_outputs
+
+    with user_errors():
+        config = BenchConfig.create(
+            quick, target=target, drafts=draft, drafters=drafter, k_values=k, prompts=prompts, categories=category,
+            prompts_per_category=prompts_per_category, max_new_tokens=max_new_tokens, temperature=temperature,
+            runs=runs, seed=seed, chat=chat, device=device, dtype=dtype, output_dir=output_dir,
+        )
+        result = run_benchmark(config, stderr)
+        files = write_outputs(result, config.output_dir)
+    print(overall_table(result.rows, config.greedy))
+    print("wrote " + ", ".join(str(f) for f in files))
+
+
 def _check_arguments(prompt: str, k: int, max_new_tokens: int, params: SamplingParams) -> None:
     """Checks that need no model, so mistakes are reported before a slow load."""
     if not prompt.strip():
@@ -102,6 +158,13 @@ def _check_arguments(prompt: str, k: int, max_new_tokens: int, params: SamplingP
         raise InvalidArgumentError(f"-k must be >= 0 (0 = target-only decoding), got {k}")
     if max_new_tokens < 1:
         raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+
+
+COMPARE_ROUNDS = 3
+
+
+def _median_run(results: list):
+    return sorted(results, key=lambda r: r.stats.tokens_per_second)[len(results) // 2]
 
 
 def _comparison(result, baseline, greedy: bool) -> dict:
@@ -129,6 +192,7 @@ def profile(
     runner: Annotated[str, typer.Option(help="auto, fast, transformers, or both (fast and transformers side by side).")] = "both",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    quantize: Annotated[Optional[str], typer.Option(help="int8: weight-only int8 layers (fast runner).")] = None,
     prefix: Annotated[int, typer.Option(help="Cached tokens before the timed forward.")] = 200,
     repeats: Annotated[int, typer.Option(help="Timed forwards per size (the median is shown).")] = 7,
 ) -> None:
@@ -141,6 +205,8 @@ def profile(
     with user_errors():
         if prefix < 1 or repeats < 1:
             raise InvalidArgumentError("--prefix and --repeats must be at least 1")
+        if quantize not in (None, "int8"):
+            raise InvalidArgumentError(f"unknown --quantize '{quantize}'; the choice is int8")
         runners = ["fast", "transformers"] if runner == "both" else [runner]
         for name in [target] + ([draft] if draft else []):
             with stderr.status(f"Loading {name}"):
@@ -154,10 +220,11 @@ def profile(
             for choice in runners:
                 if choice == "fast" and runner == "both" and not _fast_supported(model):
                     continue
-                model_runner = runner_for(model, choice)
+                model_runner = runner_for(model, choice, quantize if choice != "transformers" else None)
                 with stderr.status(f"Timing {type(model_runner).__name__}"):
                     costs = profile_forward(model_runner, model, hardware, prefix=prefix, repeats=repeats)
-                console.print(render_table(f"{name}: {type(model_runner).__name__}, after {prefix} cached tokens", costs))
+                label = type(model_runner).__name__ + (f" {quantize}" if quantize and choice != "transformers" else "")
+                console.print(render_table(f"{name}: {label}, after {prefix} cached tokens", costs))
 
 
 def _fast_supported(model) -> bool:

@@ -8,14 +8,23 @@ back to what was kept. Target-only decoding is the same loop with k = 0.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdecode.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
-from specdecode.errors import InvalidArgumentError, PromptTooLongError
+from specdecode.adaptive import AdaptiveDrafter, StepCosts
+from specdecode.drafters import (
+    AutoDrafter,
+    CrossTokenizerDrafter,
+    Draft,
+    Drafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    self_quantized_drafter,
+)
+from specdecode.errors import InvalidArgumentError, PromptTooLongError, VocabularyMismatchError
 from specdecode.kv_cache import CachedSequence, ModelRunner, runner_for
 from specdecode.models import DEFAULT_TARGET, check_same_vocabulary, load_model
 from specdecode.sampling import SamplingParams, logits_to_probs
@@ -23,7 +32,20 @@ from specdecode.stats import GenerationStats
 from specdecode.stopping import StoppingCriteria
 from specdecode.verification import verify
 
-DRAFTERS = ("auto", "model", "prompt-lookup", "none")
+DRAFTERS = ("auto", "model", "prompt-lookup", "self-quantized", "cross-tokenizer", "none")
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """How a drafter named in from_pretrained (or the CLI) is built."""
+
+    adaptive: bool = True  # choose k <= num_speculative_tokens per step from measurements (adaptive.py)
+    min_ngram: int = 1  # prompt lookup: shortest n-gram matched
+    max_ngram: int = 3  # prompt lookup: longest n-gram matched, tried first
+    max_continuation: int | None = None  # prompt lookup: most tokens copied per step (None: k)
+    lookup_history: bool = False  # prompt lookup also searches earlier requests' text
+    quantization: str = "bfloat16"  # self-quantized: "bfloat16" or "int8" (weight-only)
+    min_confidence: float = 0.0  # model drafters stop after a token they give less probability
 
 
 @dataclass
@@ -43,10 +65,16 @@ def speculative_decode(
     params: SamplingParams,
     stopping: StoppingCriteria,
     generator: torch.Generator | None,
+    step_costs: StepCosts | None = None,
 ) -> tuple[list[int], str, GenerationStats]:
-    """Generate after prompt_ids; returns the new tokens, the finish reason and the stats."""
+    """Generate after prompt_ids; returns the new tokens, the finish reason and the stats.
+
+    step_costs, if given, receives the seconds of every verification step but the first
+    (which prefills the prompt), by tokens verified: what adaptive drafters weigh k against.
+    """
     k = k if drafter is not None else 0
-    stats = GenerationStats(drafter.name if drafter is not None and k > 0 else "none", k)
+    name = drafter.name if drafter is not None and k > 0 else "none"
+    stats = GenerationStats(name, k, getattr(drafter, "k_policy", "fixed") if k > 0 else "fixed")
     if drafter is not None:
         drafter.begin(prompt_ids)
     tokens, generated = list(prompt_ids), []
@@ -56,13 +84,16 @@ def speculative_decode(
         draft = Draft.empty()
         if k > 0 and room > 1:  # drafting past the budget would be wasted
             draft = drafter.propose(tokens, min(k, room - 1), params, generator)
+        start = time.perf_counter()
         # p for the position after the last token and after each draft token
         p = logits_to_probs(target.logits(tokens + draft.tokens.tolist(), len(draft) + 1), params)
         verdict = verify(draft.tokens, draft.probs, p, generator)
+        if step_costs is not None and generated:
+            step_costs.record(len(draft) + 1, time.perf_counter() - start)
         if drafter is not None:
             drafter.observe(len(draft), verdict.num_accepted)
         emitted = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
-        stats.record_step(len(draft), verdict.num_accepted)
+        stats.record_step(len(draft), verdict.num_accepted, draft.source)
         tokens += emitted
         generated += emitted
         stop = stopping.check(generated, len(emitted), context_full=len(tokens) >= max_length)
@@ -92,6 +123,7 @@ class SpeculativeEngine:
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.eos_token_ids = _eos_token_ids(target, tokenizer)
+        self.step_costs = StepCosts()  # measured by every generation, read by adaptive drafters
 
     @classmethod
     def from_pretrained(
@@ -104,20 +136,24 @@ class SpeculativeEngine:
         dtype: str = "auto",
         trust_remote_code: bool = False,
         runner: str = "auto",
+        options: DrafterOptions | None = None,
     ) -> SpeculativeEngine:
         """Load target (and draft) by short name, folder, .gguf file or Hub id; pick the drafter.
 
         runner: "auto" runs supported architectures on the lean fast path (fast_llama.py) and
         the rest on transformers' modeling; "transformers" forces the latter.
+        drafter "auto": prompt lookup, then the draft model if one is given, each step the first
+        that proposes; adaptive drafters propose only while they pay.
         """
         if isinstance(drafter, str) and drafter not in DRAFTERS:
             raise InvalidArgumentError(f"unknown drafter '{drafter}'; choose one of: {', '.join(DRAFTERS)}")
-        if drafter == "model" and draft is None:
-            raise InvalidArgumentError("drafter 'model' needs a draft model: pass draft=NAME (--draft in the CLI)")
+        if drafter in ("model", "cross-tokenizer") and draft is None:
+            raise InvalidArgumentError(f"drafter '{drafter}' needs a draft model: pass draft=NAME (--draft in the CLI)")
         model, tokenizer = load_model(target, device, dtype, trust_remote_code)
         engine = cls(model, tokenizer, None, num_speculative_tokens, runner)
         if isinstance(drafter, str):
-            drafter = _make_drafter(drafter, draft, engine, device, dtype, trust_remote_code, runner)
+            load = lambda name: load_model(name, device, dtype, trust_remote_code)  # noqa: E731
+            drafter = _make_drafter(drafter, draft, engine, load, runner, options or DrafterOptions())
         engine.drafter = drafter
         return engine
 
@@ -162,7 +198,12 @@ class SpeculativeEngine:
             max_new_tokens, self.eos_token_ids, stop_strings, self.decode if self.tokenizer else None
         )
         generator = torch.Generator()
-        generator.manual_seed(seed) if seed is not None else generator.seed()
+        if seed is None:
+            generator.seed()  # fresh entropy
+        else:
+            generator.manual_seed(seed)
+        # adaptive k follows the clock; a seed must repeat its samples, so seeded sampling drafts k every step
+        self.step_costs.fixed_k = seed is not None and not params.greedy
         k = self.num_speculative_tokens if speculative else 0
         return [self._generate_one(ids, k, params, stopping, generator) for ids in prompt_ids]
 
@@ -177,7 +218,7 @@ class SpeculativeEngine:
         start = time.perf_counter()
         target = CachedSequence(self.target_runner)
         token_ids, reason, stats = speculative_decode(
-            target, self.drafter, prompt_ids, k, params, stopping, generator
+            target, self.drafter, prompt_ids, k, params, stopping, generator, self.step_costs
         )
         stats.wall_time_s = time.perf_counter() - start
         text = None
@@ -237,21 +278,42 @@ def _make_drafter(
     name: str,
     draft: str | PreTrainedModel | None,
     engine: SpeculativeEngine,
-    device: str,
-    dtype: str,
-    trust_remote_code: bool,
+    load: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]],
     runner: str,
+    options: DrafterOptions,
 ) -> Drafter | None:
     if name == "none":
         return None
-    if name == "prompt-lookup" or (name == "auto" and draft is None):
-        return PromptLookupDrafter()
-    if isinstance(draft, PreTrainedModel):
-        draft_model, draft_tokenizer = draft, None
-    else:
-        draft_model, draft_tokenizer = load_model(draft, device, dtype, trust_remote_code)
+    wrap = (lambda d: AdaptiveDrafter(d, engine.step_costs)) if options.adaptive else (lambda d: d)
+    lookup = PromptLookupDrafter(options.min_ngram, options.max_ngram, options.max_continuation, options.lookup_history)
+    if name == "prompt-lookup":
+        return wrap(lookup)
+    if name == "self-quantized":
+        return wrap(self_quantized_drafter(engine.target_runner.model, options.quantization, options.min_confidence))
+    model_drafter = _draft_model_drafter(name, draft, engine, load, runner, options) if draft is not None else None
+    if name == "auto":
+        candidates = [wrap(d) for d in (lookup, model_drafter) if d is not None]
+        return AutoDrafter(candidates) if len(candidates) > 1 else candidates[0]
+    return wrap(model_drafter)
+
+
+def _draft_model_drafter(
+    name: str,
+    draft: str | PreTrainedModel,
+    engine: SpeculativeEngine,
+    load: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]],
+    runner: str,
+    options: DrafterOptions,
+) -> ModelDrafter | CrossTokenizerDrafter:
+    """A "cross-tokenizer" drafter if asked for, else a "model" drafter with the target's tokenizer."""
+    draft_model, draft_tokenizer = (draft, None) if isinstance(draft, PreTrainedModel) else load(draft)
     draft_runner = runner_for(draft_model.to(engine.target_runner.device), runner)
-    check_same_vocabulary(
-        engine.tokenizer, draft_tokenizer, engine.target_runner.vocab_size, draft_runner.vocab_size
-    )
-    return ModelDrafter(draft_runner)
+    if name == "cross-tokenizer":
+        if engine.tokenizer is None or draft_tokenizer is None:
+            raise InvalidArgumentError("drafter 'cross-tokenizer' needs the target's and the draft's tokenizers")
+        return CrossTokenizerDrafter(draft_runner, draft_tokenizer, engine.tokenizer)
+    try:
+        check_same_vocabulary(engine.tokenizer, draft_tokenizer, engine.target_runner.vocab_size, draft_runner.vocab_size)
+    except VocabularyMismatchError as error:
+        raise VocabularyMismatchError(f"{error}, or draft through text with drafter 'cross-tokenizer'") from None
+    return ModelDrafter(draft_runner, options.min_confidence)

@@ -9,20 +9,28 @@ from dataclasses import asdict, dataclass, field
 class GenerationStats:
     drafter: str  # which drafter ran ("none" for target-only decoding)
     num_speculative_tokens: int  # k, the most tokens drafted per step
+    k_policy: str = "fixed"  # "fixed": k every step; "adaptive": k chosen from measurements (adaptive.py)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     generated_tokens: int = 0
     target_forwards: int = 0
     drafted_per_position: list[int] = field(default_factory=list)  # [k] steps that drafted position i
     accepted_per_position: list[int] = field(default_factory=list)  # [k] steps that accepted position i
+    drafted_histogram: dict[int, int] = field(default_factory=dict)  # draft length -> steps (the k used)
+    drafted_by_source: dict[str, list[int]] = field(default_factory=dict)  # auto's candidate -> [drafted, accepted]
     wall_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
 
-    def record_step(self, num_drafted: int, num_accepted: int) -> None:
+    def record_step(self, num_drafted: int, num_accepted: int, source: str | None = None) -> None:
         self.target_forwards += 1
+        self.drafted_histogram[num_drafted] = self.drafted_histogram.get(num_drafted, 0) + 1
+        if source is not None:
+            counts = self.drafted_by_source.setdefault(source, [0, 0])
+            counts[0] += num_drafted
+            counts[1] += num_accepted
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
         for position in range(num_drafted):
@@ -39,6 +47,11 @@ class GenerationStats:
         return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
+    def mean_k(self) -> float:
+        """Draft tokens per step, the steps that drafted nothing included."""
+        return self.drafted_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
@@ -46,13 +59,15 @@ class GenerationStats:
         return asdict(self) | {
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "mean_k": self.mean_k,
             "tokens_per_second": self.tokens_per_second,
         }
 
     def summary(self) -> str:
         return (
             f"{self.generated_tokens} tokens in {self.wall_time_s:.2f} s ({self.tokens_per_second:.1f} tok/s) | "
-            f"drafter {self.drafter}, k={self.num_speculative_tokens} | "
+            f"drafter {self.drafter}, {self.k_policy} k<={self.num_speculative_tokens} (mean {self.mean_k:.1f}, "
+            f"histogram {dict(sorted(self.drafted_histogram.items()))}) | "
             f"acceptance {self.acceptance_rate:.0%} ({self.accepted_tokens}/{self.drafted_tokens}) | "
             f"{self.mean_accepted_length:.2f} tokens per target forward ({self.target_forwards} forwards)"
         )

@@ -1,7 +1,18 @@
 """Drafters propose tokens for the target to verify; see base.Drafter for the interface."""
 
+from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.self_quantized import self_quantized_drafter
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "PromptLookupDrafter"]
+__all__ = [
+    "AutoDrafter",
+    "CrossTokenizerDrafter",
+    "Draft",
+    "Drafter",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "self_quantized_drafter",
+]

@@ -14,6 +14,7 @@ from specdecode.sampling import SamplingParams
 class Draft:
     tokens: torch.Tensor  # [k] int64, k may be smaller than asked for, or 0
     probs: torch.Tensor | None  # [k, vocab] the q each token was drawn from; None = one-hot
+    source: str | None = None  # which drafter of a composite (auto) proposed it
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -24,6 +25,9 @@ class Draft:
 
 
 class Drafter(Protocol):
+    """One-hot drafters (probs None) must draft deterministically from token_ids alone:
+    then q is the point mass on their token and the accept/reject rule stays exact."""
+
     name: str
 
     def begin(self, prompt_ids: list[int]) -> None:

@@ -12,8 +12,11 @@ from specdecode.sampling import SamplingParams, logits_to_probs, sample
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, min_confidence: float = 0.0, name: str | None = None):
+        """min_confidence: stop drafting after a token whose untempered draft probability is below it."""
         self.runner = runner
+        self.min_confidence = min_confidence
+        self.name = name or self.name
         self._cached = CachedSequence(runner)
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -26,9 +29,13 @@ class ModelDrafter:
         probs: list[torch.Tensor] = []
         for _ in range(k):
             # the cache keeps everything but the newest token, so each call runs one position
-            q = logits_to_probs(self._cached.logits(token_ids + tokens)[-1], params)  # [vocab]
+            logits = self._cached.logits(token_ids + tokens)[-1]  # [vocab]
+            q = logits_to_probs(logits, params)  # [vocab]
             tokens.append(int(sample(q, generator)))
             probs.append(q)
+            # the draft's own confidence depends only on the draft prefix: stopping keeps exactness
+            if self.min_confidence > 0 and float(torch.softmax(logits, -1).max()) < self.min_confidence:
+                break
         if not tokens:
             return Draft.empty()
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))

@@ -1,5 +1,6 @@
 """N-gram prompt lookup (Saxena 2023): copy what followed the latest earlier occurrence of
-the sequence's last n tokens. It has no distribution, so its q is one-hot."""
+the sequence's last n tokens, in the prompt and the text so far, and optionally in earlier
+requests' text. It drafts deterministically from the tokens alone, so its q is one-hot."""
 
 from __future__ import annotations
 
@@ -9,41 +10,74 @@ from specdecode.drafters.base import Draft
 from specdecode.errors import InvalidArgumentError
 from specdecode.sampling import SamplingParams
 
+SEPARATOR = -1  # between requests in the history; equals no token, so no match spans two requests
+
 
 class PromptLookupDrafter:
     name = "prompt-lookup"
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
+    def __init__(
+        self,
+        min_ngram: int = 1,
+        max_ngram: int = 3,
+        max_continuation: int | None = None,
+        use_history: bool = False,
+        history_tokens: int = 100_000,
+    ):
+        """max_continuation caps a draft below k; use_history also searches earlier requests,
+        keeping their last history_tokens tokens."""
         if not 1 <= min_ngram <= max_ngram:
             raise InvalidArgumentError(
                 f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}"
             )
+        if max_continuation is not None and max_continuation < 1:
+            raise InvalidArgumentError(f"max_continuation must be at least 1, got {max_continuation}")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
+        self.max_continuation = max_continuation
+        self.use_history = use_history
+        self.history_tokens = history_tokens
+        self._history = torch.zeros(0, dtype=torch.long)  # [<= history_tokens] earlier requests
+        self._last: list[int] = []  # the latest sequence seen, added to the history at the next begin
 
     def begin(self, prompt_ids: list[int]) -> None:
-        pass
+        if self.use_history and self._last:
+            joined = torch.cat([self._history, torch.tensor(self._last + [SEPARATOR])])
+            self._history = joined[-self.history_tokens :]
+        self._last = []
 
     def propose(
         self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
+        self._last = token_ids
+        k = min(k, self.max_continuation or k)
         if k <= 0:
             return Draft.empty()
         sequence = torch.tensor(token_ids, dtype=torch.long)
         # longer n-grams first: a longer match predicts its continuation better
         for n in range(min(self.max_ngram, len(token_ids) - 1), self.min_ngram - 1, -1):
-            start = _latest_earlier_match(sequence, n)
-            if start is not None:
-                continuation = sequence[start + n : start + n + k]
-                return Draft(continuation.clone(), None)
+            continuation = _continuation(sequence, sequence[-n:], k)  # the suffix itself has no next token
+            if continuation is None and self.use_history:
+                continuation = _continuation(self._history, sequence[-n:], k)
+            if continuation is not None:
+                return Draft(continuation, None)
         return Draft.empty()
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         pass
 
 
-def _latest_earlier_match(sequence: torch.Tensor, n: int) -> int | None:
-    """Start of the latest n-gram equal to the last n tokens, excluding that suffix itself."""
-    windows = sequence[:-1].unfold(0, n, 1)  # [len - n, n]: windows that have a next token
-    hits = (windows == sequence[-n:]).all(dim=1).nonzero()
-    return int(hits[-1]) if hits.numel() else None
+def _continuation(haystack: torch.Tensor, ngram: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Up to k tokens after the latest occurrence of ngram [n] in haystack [m] that has any."""
+    n = ngram.shape[0]
+    if haystack.shape[0] <= n:
+        return None
+    windows = haystack[:-1].unfold(0, n, 1)  # [m - n, n]: windows that have a next token
+    hits = (windows == ngram).all(dim=1).nonzero()
+    for start in reversed(hits[:, 0].tolist()):
+        following = haystack[start + n : start + n + k]
+        stop = (following == SEPARATOR).nonzero()
+        following = following[: int(stop[0])] if stop.numel() else following
+        if following.numel():
+            return following.clone()
+    return None

@@ -1,0 +1,144 @@
+"""Choosing k, the number of draft tokens per step, from what was measured (Leviathan et al. 2023).
+
+With per-position acceptance a_i (the chance that draft token i is accepted when all before
+it were), a step that drafts k tokens emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens
+(with one a for every position: (1 - a^(k+1)) / (1 - a)) and costs draft(k) + verify(k + 1)
+seconds. The policy picks the k with the most tokens per second; k = 0 is target-only
+decoding, left now and then for a one-token probe so that a drafter can switch back on.
+Costs and acceptance are exponential moving averages of past steps only: k never depends
+on future tokens, so it never changes what is generated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.sampling import SamplingParams
+
+EMA_WEIGHT = 0.2  # weight of the newest measurement
+PRIOR_ACCEPTANCE = 0.5  # a_i before position i was ever drafted: optimistic enough to try it
+PRIOR_SLOPE = 0.1  # extra cost of each verified token, as a fraction of the one measured step size
+PROBE_EVERY = (4, 64)  # target-only steps between probes: first, then doubling up to the last
+
+
+def ema(old: float | None, new: float, weight: float = EMA_WEIGHT) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+def expected_tokens(acceptance: list[float]) -> float:
+    """Tokens one step emits when it drafts len(acceptance) tokens: accepted ones plus one."""
+    total, reach = 1.0, 1.0
+    for a in acceptance:
+        reach *= a  # the chance that this position is reached and accepted
+        total += reach
+    return total
+
+
+def best_k(
+    acceptance: list[float], draft_seconds_per_token: float, verify_seconds: Callable[[int], float]
+) -> int:
+    """The k in [0, len(acceptance)] with the most expected tokens per second."""
+    rates = [
+        expected_tokens(acceptance[:k]) / (k * draft_seconds_per_token + verify_seconds(k + 1))
+        for k in range(len(acceptance) + 1)
+    ]
+    return max(range(len(rates)), key=rates.__getitem__)  # the smallest k on ties
+
+
+class StepCosts:
+    """Seconds of one verification step (target forward and accept/reject) by tokens verified."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}  # n new tokens -> EMA seconds
+        self.fixed_k = False  # True: drafters draft the most k they may, for runs that must repeat exactly
+
+    def record(self, n: int, seconds: float) -> None:
+        self.seconds[n] = ema(self.seconds.get(n), seconds)
+
+    def estimate(self, n: int) -> float | None:
+        """Measured for n, else a line through the measured sizes; None before any step."""
+        if n in self.seconds:
+            return self.seconds[n]
+        if not self.seconds:
+            return None
+        sizes = sorted(self.seconds)
+        nearest = min(sizes, key=lambda m: abs(m - n))
+        slope = PRIOR_SLOPE * self.seconds[nearest] / nearest
+        if len(sizes) >= 2:
+            slope = max(0.0, _least_squares_slope(sizes, [self.seconds[m] for m in sizes]))
+        return max(1e-9, self.seconds[nearest] + slope * (n - nearest))
+
+
+def _least_squares_slope(x: list[int], y: list[float]) -> float:
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    return sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+
+
+class AdaptiveK:
+    """Per-position acceptance and draft cost of one drafter; the best k against shared step costs."""
+
+    def __init__(self, step_costs: StepCosts):
+        self.step_costs = step_costs
+        self.acceptance: list[float] = []  # [positions drafted so far] a_i
+        self.draft_seconds_per_token: float | None = None
+        self._off_steps = 0
+        self._probe_every = PROBE_EVERY[0]
+
+    def choose(self, k_max: int) -> int:
+        if k_max <= 0 or self.step_costs.fixed_k:
+            return max(k_max, 0)
+        if self.draft_seconds_per_token is None or not self.step_costs.seconds:
+            return k_max  # nothing measured yet: try the most
+        self.acceptance += [PRIOR_ACCEPTANCE] * (k_max - len(self.acceptance))
+        k = best_k(self.acceptance[:k_max], self.draft_seconds_per_token, self.step_costs.estimate)
+        if k > 0:
+            self._off_steps, self._probe_every = 0, PROBE_EVERY[0]
+            return k
+        self._off_steps += 1
+        if self._off_steps < self._probe_every:
+            return 0
+        # a one-token probe refreshes a_1 and the draft cost; probes get rarer while they fail
+        self._off_steps, self._probe_every = 0, min(2 * self._probe_every, PROBE_EVERY[1])
+        return 1
+
+    def record_draft(self, num_drafted: int, seconds: float) -> None:
+        self.draft_seconds_per_token = ema(self.draft_seconds_per_token, seconds / max(num_drafted, 1))
+
+    def record_verdict(self, num_drafted: int, num_accepted: int) -> None:
+        self.acceptance += [PRIOR_ACCEPTANCE] * (num_drafted - len(self.acceptance))
+        # position i was tried when every draft before it was accepted
+        for i in range(min(num_accepted + 1, num_drafted)):
+            self.acceptance[i] = ema(self.acceptance[i], float(i < num_accepted))
+
+
+class AdaptiveDrafter:
+    """A drafter that drafts the k its measurements favour, at most the k the loop allows."""
+
+    k_policy = "adaptive"
+
+    def __init__(self, inner: Drafter, step_costs: StepCosts):
+        self.inner = inner
+        self.name = inner.name
+        self.policy = AdaptiveK(step_costs)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.inner.begin(prompt_ids)
+
+    def propose(
+        self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        k = self.policy.choose(k)
+        if k == 0:
+            return Draft.empty()
+        start = time.perf_counter()
+        draft = self.inner.propose(token_ids, k, params, generator)
+        self.policy.record_draft(len(draft), time.perf_counter() - start)
+        return draft
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.policy.record_verdict(num_drafted, num_accepted)
+        self.inner.observe(num_drafted, num_accepted)

@@ -1,0 +1,72 @@
+"""A draft model with a different tokenizer: it continues the text, and its text is
+re-encoded into target tokens.
+
+The draft decodes greedily, so its proposal is a deterministic function of the target's
+tokens: a one-hot drafter, exact under greedy decoding and under sampling alike (the
+target accepts a token t with probability p(t) and otherwise samples from p without t).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specdecode.drafters.base import Draft
+from specdecode.kv_cache import CachedSequence, ModelRunner
+from specdecode.sampling import SamplingParams
+
+TAIL_TOKENS = 4  # target tokens re-encoded with the draft text, so a word split at the boundary merges
+
+
+class CrossTokenizerDrafter:
+    name = "cross-tokenizer"
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        draft_tokenizer: PreTrainedTokenizerBase,
+        target_tokenizer: PreTrainedTokenizerBase,
+    ):
+        self.runner = runner
+        self.draft_tokenizer = draft_tokenizer
+        self.target_tokenizer = target_tokenizer
+        self._cached = CachedSequence(runner)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self._cached = CachedSequence(self.runner)
+
+    def propose(
+        self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        if k <= 0:
+            return Draft.empty()
+        text = self.target_tokenizer.decode(token_ids)
+        context = self.draft_tokenizer(text).input_ids  # re-encoded; the cache keeps the common prefix
+        drafted: list[int] = []
+        for _ in range(k):  # draft tokens are about as long as target tokens
+            logits = self._cached.logits(context + drafted)[-1]  # [vocab]
+            drafted.append(int(logits.argmax()))
+        tokens = self._to_target(token_ids, self._new_text(context, drafted))[:k]
+        return Draft(torch.tensor(tokens, dtype=torch.long), None) if tokens else Draft.empty()
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def _new_text(self, context: list[int], drafted: list[int]) -> str:
+        # decode with a little context: decoders drop the leading space of a lone first token
+        tail = context[-TAIL_TOKENS:]
+        before = self.draft_tokenizer.decode(tail, skip_special_tokens=True)
+        after = self.draft_tokenizer.decode(tail + drafted, skip_special_tokens=True)
+        return after[len(before) :] if after.startswith(before) else ""
+
+    def _to_target(self, token_ids: list[int], new_text: str) -> list[int]:
+        """Target tokens for new_text, continuing token_ids."""
+        if not new_text:
+            return []
+        tail = token_ids[-TAIL_TOKENS:]
+        joined = self.target_tokenizer.encode(
+            self.target_tokenizer.decode(tail) + new_text, add_special_tokens=False
+        )
+        if joined[: len(tail)] == tail:
+            return joined[len(tail) :]
+        return self.target_tokenizer.encode(new_text, add_special_tokens=False)

@@ -1,0 +1,85 @@
+"""Adaptive k: the cost model, the choice of k, and that it never changes the output."""
+
+import math
+
+import pytest
+
+from conftest import nearby_draft, tiny_gpt2, tiny_llama
+from specdecode import SpeculativeEngine
+from specdecode.adaptive import PROBE_EVERY, AdaptiveDrafter, AdaptiveK, StepCosts, best_k, expected_tokens
+from specdecode.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
+from specdecode.kv_cache import HFModelRunner
+from test_greedy import PROMPTS, hf_greedy
+
+
+def linear_costs(base: float = 0.030, per_token: float = 0.005, sizes=(1, 2, 5)) -> StepCosts:
+    costs = StepCosts()
+    for n in sizes:
+        costs.record(n, base + per_token * (n - 1))
+    return costs
+
+
+def test_expected_tokens_is_leviathans_formula_for_constant_acceptance():
+    for a in (0.0, 0.3, 0.8):
+        for k in (0, 1, 4):
+            assert math.isclose(expected_tokens([a] * k), (1 - a ** (k + 1)) / (1 - a))
+
+
+def test_step_costs_interpolate_the_measured_sizes():
+    costs = linear_costs(sizes=(1, 5))
+    assert costs.estimate(3) == pytest.approx(0.040)
+    assert costs.estimate(9) == pytest.approx(0.070)
+    assert StepCosts().estimate(1) is None
+
+
+def test_best_k_weighs_acceptance_against_cost():
+    verify = linear_costs().estimate
+    assert best_k([1.0] * 8, 0.0, verify) == 8  # free, always-accepted drafts: draft all
+    assert best_k([0.0] * 8, 0.0, verify) == 0  # never accepted: target-only
+    assert best_k([0.9] * 8, 0.030, verify) == 0  # a draft as slow as the target never pays
+    assert 0 < best_k([0.8] * 8, 0.003, verify) < 8
+
+
+def test_policy_switches_off_then_probes_ever_more_rarely():
+    policy = AdaptiveK(linear_costs())
+    assert policy.choose(4) == 4  # nothing measured about the draft: try the most
+    policy.record_draft(4, 0.004)
+    policy.record_verdict(4, 0)
+    for _ in range(10):
+        policy.record_verdict(1, 0)
+    ks = [policy.choose(4) for _ in range(PROBE_EVERY[0] * 7)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert all(ks[i] == 1 for i in probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes get rarer while they fail
+
+
+def test_policy_switches_back_on_when_probes_succeed():
+    policy = AdaptiveK(linear_costs())
+    policy.record_draft(1, 0.001)
+    for _ in range(10):
+        policy.record_verdict(1, 0)
+    assert policy.choose(4) == 0
+    for _ in range(10):
+        policy.record_verdict(1, 1)
+    assert policy.choose(4) > 0
+
+
+@pytest.mark.parametrize("family", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_greedy_output_with_adaptive_k_equals_transformers_generate(family):
+    target = family(seed=1)
+    expected = [hf_greedy(target, prompt, 40) for prompt in PROMPTS]
+    engine = SpeculativeEngine(target, num_speculative_tokens=6)
+    drafters = {
+        "lookup": PromptLookupDrafter(),
+        "random draft": ModelDrafter(HFModelRunner(family(seed=99))),
+        "nearby draft, stops when unsure": ModelDrafter(HFModelRunner(nearby_draft(target, 0.5)), min_confidence=0.6),
+    }
+    adaptive = {name: AdaptiveDrafter(d, engine.step_costs) for name, d in drafters.items()}
+    adaptive["auto"] = AutoDrafter([adaptive.pop("lookup"), adaptive["random draft"]])
+    for name, drafter in adaptive.items():
+        engine.drafter = drafter
+        for _ in range(2):  # the second pass starts from what the first measured
+            results = engine.generate(PROMPTS, max_new_tokens=40)
+            assert [r.token_ids for r in results] == expected, name
+            assert all(r.stats.k_policy == "adaptive" for r in results)

@@ -1,0 +1,138 @@
+"""Each drafter on its own: what it proposes, and that it changes nothing but speed."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import nearby_draft, permuted_vocabulary, tiny_llama, tiny_tokenizer
+from specdecode import SpeculativeEngine
+from specdecode.adaptive import AdaptiveDrafter, StepCosts
+from specdecode.drafters import AutoDrafter, CrossTokenizerDrafter, ModelDrafter, PromptLookupDrafter
+from specdecode.drafters.self_quantized import Int8Linear, quantized_copy, self_quantized_drafter
+from specdecode.errors import InvalidArgumentError
+from specdecode.kv_cache import HFModelRunner
+from specdecode.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def propose(drafter, tokens, k=4):
+    return drafter.propose(tokens, k, GREEDY, None).tokens.tolist()
+
+
+def test_prompt_lookup_copies_after_the_longest_latest_match():
+    lookup = PromptLookupDrafter(min_ngram=1, max_ngram=2)
+    assert propose(lookup, [1, 2, 3, 9, 2, 3, 7, 8, 2, 3]) == [7, 8, 2, 3]  # "2 3" last seen before 7
+    assert propose(lookup, [5, 6, 7, 6]) == [7, 6]  # the copy may run to the end of the sequence
+    assert propose(lookup, [1, 2, 3]) == []
+
+
+def test_prompt_lookup_options_cap_and_filter_matches():
+    assert propose(PromptLookupDrafter(max_continuation=2), [1, 2, 3, 4, 5, 1, 2], k=4) == [3, 4]
+    assert propose(PromptLookupDrafter(min_ngram=2, max_ngram=2), [1, 2, 3, 9, 3], k=4) == []
+    with pytest.raises(InvalidArgumentError, match="min_ngram"):
+        PromptLookupDrafter(min_ngram=3, max_ngram=2)
+
+
+def test_prompt_lookup_searches_earlier_requests_only_when_enabled():
+    for use_history, expected in [(False, []), (True, [7, 8])]:
+        lookup = PromptLookupDrafter(min_ngram=2, use_history=use_history)
+        lookup.begin([1, 2])
+        propose(lookup, [1, 2, 5, 6, 7, 8])  # the first request ends with this text
+        lookup.begin([4, 5, 6])
+        assert propose(lookup, [4, 5, 6], k=2) == expected
+
+
+def test_prompt_lookup_history_never_copies_across_requests():
+    lookup = PromptLookupDrafter(min_ngram=2, use_history=True)
+    for sequence in ([1, 2, 3], [4, 5]):
+        lookup.begin(sequence)
+        propose(lookup, sequence)
+    lookup.begin([9, 2, 3])
+    assert propose(lookup, [9, 2, 3]) == []  # "2 3" ended the first request: nothing follows it
+
+
+def test_model_drafter_stops_after_a_token_it_is_unsure_of():
+    model = tiny_llama(seed=1, init=0.02)  # small weights: flat distributions, max q ~ 1 / vocab
+    assert len(propose(ModelDrafter(HFModelRunner(model)), [3, 5, 7])) == 4
+    assert len(propose(ModelDrafter(HFModelRunner(model), min_confidence=0.5), [3, 5, 7])) == 1
+
+
+@pytest.mark.parametrize("quantization", ["bfloat16", "int8"])
+def test_quantized_copy_stays_close_to_the_target(quantization):
+    target = tiny_llama(seed=1)
+    draft = quantized_copy(target, quantization)
+    ids = torch.tensor([[3, 5, 7, 2, 9]])
+    with torch.no_grad():
+        expected, got = target(ids).logits, draft(ids).logits.float()
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
+    assert target.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # the target is untouched
+    if quantization == "int8":
+        assert isinstance(draft.model.layers[0].mlp.up_proj, Int8Linear)
+
+
+def test_self_quantized_drafter_is_mostly_accepted():
+    target = tiny_llama(seed=1)
+    engine = SpeculativeEngine(target, drafter=self_quantized_drafter(target, "bfloat16"), num_speculative_tokens=4)
+    stats = engine.generate([[3, 5, 7, 2]], max_new_tokens=40)[0].stats
+    assert stats.drafter == "self-quantized-bfloat16"
+    assert stats.acceptance_rate > 0.8
+
+
+def test_cross_tokenizer_drafter_translates_through_text():
+    target, tokenizer = tiny_llama(seed=1), tiny_tokenizer()
+    draft, draft_tokenizer = permuted_vocabulary(target)
+    drafter = CrossTokenizerDrafter(HFModelRunner(draft), draft_tokenizer, tokenizer)
+    engine = SpeculativeEngine(target, tokenizer, drafter, num_speculative_tokens=4)
+    result = engine.generate([[3, 5, 7, 2]], max_new_tokens=40)[0]
+    # the same model under other ids: every draft is the target's own next token
+    assert result.stats.acceptance_rate == 1.0
+    assert draft_tokenizer("w1").input_ids != tokenizer("w1").input_ids
+
+
+def test_auto_tries_its_candidates_in_order_and_records_the_source():
+    target = tiny_llama(seed=1)
+    auto = AutoDrafter([PromptLookupDrafter(min_ngram=3), ModelDrafter(HFModelRunner(nearby_draft(target, 0.3)))])
+    engine = SpeculativeEngine(target, drafter=auto, num_speculative_tokens=3)
+    stats = engine.generate([[3, 5, 7, 3, 5, 7, 3, 5, 7]], max_new_tokens=30)[0].stats
+    assert stats.drafter == "auto"
+    assert set(stats.drafted_by_source) <= {"prompt-lookup", "model"} and "model" in stats.drafted_by_source
+    assert sum(d for d, _ in stats.drafted_by_source.values()) == stats.drafted_tokens
+
+
+def test_adaptive_auto_gives_up_a_useless_draft_model():
+    target = tiny_llama(seed=1)
+    useless = AdaptiveDrafter(ModelDrafter(HFModelRunner(tiny_llama(seed=99))), StepCosts())
+    engine = SpeculativeEngine(target, drafter=useless, num_speculative_tokens=4)
+    useless.policy.step_costs = engine.step_costs
+    stats = engine.generate([[3, 5, 7, 2]], max_new_tokens=60)[0].stats
+    assert stats.k_policy == "adaptive"
+    assert stats.drafted_histogram.get(0, 0) > stats.target_forwards / 2  # mostly target-only steps
+    assert stats.drafted_tokens < 30
+
+
+def test_drafters_that_need_a_draft_model_say_so():
+    for name in ("model", "cross-tokenizer"):
+        with pytest.raises(InvalidArgumentError, match="needs a draft model"):
+            SpeculativeEngine.from_pretrained("unused", drafter=name)
+    with pytest.raises(InvalidArgumentError, match="quantization"):
+        quantized_copy(tiny_llama(seed=1), "int4")
+
+
+def test_cli_builds_drafters_from_its_options(tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from specdecode.cli import app
+
+    args = ["generate", "w1 w2 w3 w1 w2", "--target", tiny_model_dir, "--max-new-tokens", "12", "--json"]
+    for extra, drafter, policy in [
+        (["--drafter", "prompt-lookup", "--fixed-k", "--ngram", "1", "2", "--lookup-history"], "prompt-lookup", "fixed"),
+        (["--drafter", "self-quantized", "--quantization", "int8", "--min-confidence", "0.2"], "self-quantized-int8", "adaptive"),
+    ]:
+        result = CliRunner().invoke(app, args + extra)
+        assert result.exit_code == 0, result.output
+        stats = json.loads(result.stdout)["stats"]
+        assert (stats["drafter"], stats["k_policy"]) == (drafter, policy)
+        assert sum(stats["drafted_histogram"].values()) == stats["target_forwards"]
