@@ -1,0 +1,66 @@
+"""The machine and software a benchmark ran on: numbers mean little without them."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+
+def describe_environment(device: torch.device, dtype: torch.dtype, target_runner: str) -> dict:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "target_runner": target_runner,  # this engine's forward path; transformers' generate uses its own
+        # other processes competing for the CPU distort timings: a load above cpu_count says so
+        "load_average_1m_before": load_average(),
+        "versions": {name: _version(name) for name in ("specdecode", "torch", "transformers", "numpy")},
+    }
+
+
+def summary_line(environment: dict) -> str:
+    versions = environment["versions"]
+    hardware = environment["gpu"] or f"{environment['cpu']} ({environment['cpu_count']} cores)"
+    load = [environment.get(f"load_average_1m_{when}") for when in ("before", "after")]
+    return (
+        f"{hardware}, {environment['torch_threads']} torch threads, {environment['device']} "
+        f"{environment['dtype']}, engine runner {environment['target_runner']}; "
+        f"torch {versions['torch']}, transformers {versions['transformers']}; "
+        f"load average (1 min) {_fmt_load(load[0])} before timing, {_fmt_load(load[1])} after"
+    )
+
+
+def load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _fmt_load(load: float | None) -> str:
+    return "unknown" if load is None else f"{load:.1f}"
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,90 @@
+"""Benchmark prompts: Spec-Bench's question.jsonl, the subset shipped in the package, or the
+user's own JSONL file.
+
+Each line is a JSON object with either `turns` (a list of user turns, as Spec-Bench has) or
+`prompt` (one string); `category` and `question_id` (or `id`) are optional. Only the first
+turn is timed: a second turn would need each system's own first answer in its context,
+so the systems would no longer see the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from specdecode.errors import InvalidArgumentError
+
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+DEFAULT_CATEGORY = "custom"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    category: str
+    text: str
+
+
+def default_prompt_file() -> Path:
+    return Path(str(resources.files("specdecode.bench") / "data" / "specbench_subset.jsonl"))
+
+
+def load_prompts(path: str | Path | None = None) -> list[BenchPrompt]:
+    """Read a prompt file (None = the shipped Spec-Bench subset); errors name the line at fault."""
+    path = Path(path).expanduser() if path is not None else default_prompt_file()
+    if not path.is_file():
+        raise InvalidArgumentError(f"prompt file '{path}' does not exist; give a JSONL file (one JSON object a line)")
+    prompts = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                prompts.append(_parse_line(line, number, path))
+    if not prompts:
+        raise InvalidArgumentError(f"prompt file '{path}' holds no prompts")
+    return prompts
+
+
+def select_prompts(
+    prompts: list[BenchPrompt], categories: tuple[str, ...] = (), per_category: int = 0
+) -> list[BenchPrompt]:
+    """The first `per_category` prompts (0 = all) of each wanted category, category by category."""
+    available = list(dict.fromkeys(p.category for p in prompts))  # file order, no repeats
+    wanted = _expand_categories(categories, available) if categories else available
+    selected = []
+    for category in wanted:
+        in_category = [p for p in prompts if p.category == category]
+        selected += in_category[:per_category] if per_category else in_category
+    return selected
+
+
+def _expand_categories(categories: tuple[str, ...], available: list[str]) -> list[str]:
+    wanted: list[str] = []
+    for category in categories:
+        if category == "mt-bench":  # Spec-Bench's name for its eight MT-bench categories together
+            names = [c for c in MT_BENCH_CATEGORIES if c in available]
+        else:
+            names = [category] if category in available else []
+        if not names:
+            raise InvalidArgumentError(
+                f"unknown category '{category}'; the prompt file has: {', '.join(available)}"
+            )
+        wanted += [n for n in names if n not in wanted]
+    return wanted
+
+
+def _parse_line(line: str, number: int, path: Path) -> BenchPrompt:
+    where = f"{path.name} line {number}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise InvalidArgumentError(f"{where} is not valid JSON ({error.msg})") from None
+    if not isinstance(row, dict):
+        raise InvalidArgumentError(f"{where} must be a JSON object with 'prompt' or 'turns'")
+    turns = row.get("turns")
+    text = turns[0] if isinstance(turns, list) and turns else row.get("prompt")
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidArgumentError(f"{where} needs a non-empty 'prompt' string or a 'turns' list of strings")
+    prompt_id = row.get("question_id", row.get("id", number))
+    return BenchPrompt(str(prompt_id), str(row.get("category") or DEFAULT_CATEGORY), text)

@@ -1,0 +1,164 @@
+"""`specdecode bench`: load the models once, warm every system up, time every system on every
+prompt in a shuffled order, then check the outputs, sum up, and write the report.
+
+Shuffling the systems anew for each prompt spreads machine noise (another process, a
+frequency change) over all of them instead of favouring whichever always runs first.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from rich.console import Console
+from transformers import PreTrainedModel
+
+from specdecode.bench.config import BenchConfig
+from specdecode.bench.costs import ForwardCosts, measure_costs
+from specdecode.bench.environment import describe_environment, load_average
+from specdecode.bench.measurement import Measurement
+from specdecode.bench.metrics import Row, summarize
+from specdecode.bench.progress import bench_progress
+from specdecode.bench.prompts import BenchPrompt, load_prompts, select_prompts
+from specdecode.bench.quality import Difference, add_perplexities, compare_greedy
+from specdecode.bench.systems import EngineSystem, HFSystem, SystemSpec, build_systems, load_draft, plan_systems
+from specdecode.engine import SpeculativeEngine
+from specdecode.errors import InvalidArgumentError
+from specdecode.sampling import SamplingParams
+
+WARM_UP_TOKENS = 8
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    environment: dict
+    specs: list[SystemSpec]
+    systems: list[dict]  # each system's spec, name and generate options, for results.json
+    prompts: list[dict]  # id, category and length in tokens of each prompt timed
+    skipped_prompts: list[dict]  # prompts too long for the context window
+    costs: ForwardCosts
+    measurements: list[Measurement]
+    differences: list[Difference]  # greedy runs: outputs that differ from (a)'s
+    rows: list[Row]
+
+
+def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchResult:
+    """Measure every system of config on its prompts; returns everything measured (nothing is written)."""
+    console = console or Console(stderr=True)
+    prompts = select_prompts(load_prompts(config.prompts), config.categories, config.prompts_per_category)
+    with console.status(f"Loading {', '.join((config.target, *config.drafts))}"):
+        engine, draft_models = load_models(config)
+    prompts, prompt_ids, skipped = encode_prompts(engine, prompts, config)
+    specs = plan_systems(config.active_drafters, config.drafts, config.k_values)
+    systems = build_systems(specs, engine, draft_models)
+    with console.status("Warming up every system"):
+        for system in systems:
+            warm_up_tokens = min(WARM_UP_TOKENS, config.max_new_tokens)
+            system.generate(prompt_ids[prompts[0].id], warm_up_tokens, config.temperature, config.seed)
+    with console.status("Timing target forwards and draft proposals"):
+        costs = measure_step_costs(engine, systems, prompt_ids, config)
+
+    model = engine.target_runner.model
+    environment = describe_environment(model.device, model.dtype, type(engine.target_runner).__name__)
+    measurements = time_systems(systems, prompts, prompt_ids, config, console)
+    environment["load_average_1m_after"] = load_average()
+
+    differences = []
+    if config.greedy:
+        with console.status("Comparing outputs with transformers' greedy output"):
+            differences = compare_greedy(measurements, prompt_ids, model, engine.tokenizer)
+    else:
+        with console.status("Scoring outputs by the target's perplexity"):
+            add_perplexities(measurements, prompt_ids, model)
+    return BenchResult(
+        config, environment, specs, [describe_system(s) for s in systems],
+        [{"id": p.id, "category": p.category, "prompt_tokens": len(prompt_ids[p.id])} for p in prompts],
+        skipped, costs, measurements, differences, summarize(measurements, specs, costs, config.greedy),
+    )
+
+
+def load_models(config: BenchConfig) -> tuple[SpeculativeEngine, dict[str, PreTrainedModel]]:
+    """The target, in an engine without a drafter (systems add their own), and the draft models."""
+    engine = SpeculativeEngine.from_pretrained(config.target, None, "none", 0, device=config.device, dtype=config.dtype)
+    drafts = {name: load_draft(name, engine, config.device, config.dtype) for name in config.drafts}
+    return engine, drafts
+
+
+def encode_prompts(
+    engine: SpeculativeEngine, prompts: list[BenchPrompt], config: BenchConfig
+) -> tuple[list[BenchPrompt], dict[str, list[int]], list[dict]]:
+    """Token ids of each prompt, as every system gets them; prompts that cannot fit are skipped."""
+    chat = config.chat if config.chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+    context = engine.target_runner.max_length
+    kept, ids, skipped = [], {}, []
+    for prompt in prompts:
+        tokens = engine.encode(prompt.text, chat=chat)
+        if len(tokens) + config.max_new_tokens > context:
+            skipped.append({"id": prompt.id, "category": prompt.category, "prompt_tokens": len(tokens)})
+            continue
+        kept.append(prompt)
+        ids[prompt.id] = tokens
+    if not kept:
+        raise InvalidArgumentError(
+            f"no prompt fits the model's context of {context} tokens with --max-new-tokens {config.max_new_tokens}; "
+            "lower --max-new-tokens or use shorter prompts"
+        )
+    return kept, ids, skipped
+
+
+def measure_step_costs(
+    engine: SpeculativeEngine, systems: list[HFSystem | EngineSystem], prompt_ids: dict[str, list[int]],
+    config: BenchConfig,
+) -> ForwardCosts:
+    """Step costs after the median-length prompt: they grow with the context, so take a typical one."""
+    prefix = sorted(prompt_ids.values(), key=len)[len(prompt_ids) // 2]
+    prefix = prefix[: engine.target_runner.max_length - max(config.k_values) - 2]
+    drafters = {s.spec.series: s.engine.drafter for s in systems if isinstance(s, EngineSystem) and s.spec.speculative}
+    return measure_costs(engine.target_runner, drafters, prefix, config.k_values, SamplingParams(config.temperature))
+
+
+def time_systems(
+    systems: list[HFSystem | EngineSystem],
+    prompts: list[BenchPrompt],
+    prompt_ids: dict[str, list[int]],
+    config: BenchConfig,
+    console: Console,
+) -> list[Measurement]:
+    """Every system on every prompt, config.runs times, systems in a new random order each prompt."""
+    order_rng = random.Random(config.seed)
+    measurements = []
+    with bench_progress(console) as progress:
+        task = progress.add_task("Timing", total=config.runs * len(prompts) * len(systems))
+        for run in range(config.runs):
+            for index, prompt in enumerate(prompts):
+                # one sampling seed per prompt and run, the same for every system
+                seed = config.seed + run * len(prompts) + index
+                for order, system in enumerate(order_rng.sample(systems, len(systems))):
+                    progress.update(
+                        task,
+                        description=f"run {run + 1}/{config.runs} prompt {index + 1}/{len(prompts)} "
+                        f"({prompt.category}) {system.spec.name}",
+                    )
+                    ids = prompt_ids[prompt.id]
+                    output = system.generate(ids, config.max_new_tokens, config.temperature, seed)
+                    measurements.append(
+                        Measurement(
+                            system.spec.name, system.spec.group, prompt.id, prompt.category, run, order, len(ids),
+                            output.token_ids, output.wall_time_s,
+                            output.stats.to_dict() if output.stats is not None else None,
+                        )
+                    )
+                    progress.advance(task)
+        progress.update(task, description="Timed")
+    return measurements
+
+
+def describe_system(system: HFSystem | EngineSystem) -> dict:
+    spec = system.spec
+    described = {"name": spec.name, "group": spec.group, "framework": spec.framework, "drafter": spec.drafter,
+                 "k": spec.k, "draft": spec.draft}
+    if isinstance(system, HFSystem):
+        # what was passed to generate, less the assistant model object itself
+        described["generate_options"] = {k: v for k, v in system.options.items() if k != "assistant_model"}
+    return described
