@@ -59,19 +59,23 @@ def random_draft(target) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def drafters(engine: SpeculativeEngine, k_max: int) -> dict[str, tuple]:
+def drafters(engine: SpeculativeEngine, k_max: int, model_drafters: bool = True) -> dict[str, tuple]:
     """name -> (drafter, k). Adaptive drafters read the engine's measured step costs."""
     target = engine.target_runner.model
     adaptive = lambda d: AdaptiveDrafter(d, engine.step_costs)  # noqa: E731
-    gemma, gemma_tokenizer = load_model("gemma3-270m", "cpu", "float32")
-    cross = CrossTokenizerDrafter(runner_for(gemma), gemma_tokenizer, engine.tokenizer)
     useless = ModelDrafter(runner_for(random_draft(target)))
-    return {
+    lookup_family = {
         "prompt-lookup, k=4": (PromptLookupDrafter(), 4),
         f"prompt-lookup, adaptive k<={k_max}": (adaptive(PromptLookupDrafter()), k_max),
         f"auto (lookup), adaptive k<={k_max}": (AutoDrafter([adaptive(PromptLookupDrafter())]), k_max),
         f"auto (lookup + random draft), adaptive k<={k_max}": (
             AutoDrafter([adaptive(PromptLookupDrafter()), adaptive(useless)]), k_max),
+    }
+    if not model_drafters:
+        return lookup_family
+    gemma, gemma_tokenizer = load_model("gemma3-270m", "cpu", "float32")
+    cross = CrossTokenizerDrafter(runner_for(gemma), gemma_tokenizer, engine.tokenizer)
+    return lookup_family | {
         "self-quantized bf16, k=4": (self_quantized_drafter(target, "bfloat16"), 4),
         "self-quantized int8, k=4": (self_quantized_drafter(target, "int8"), 4),
         "cross-tokenizer gemma3-270m, k=4": (cross, 4),
@@ -91,11 +95,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k-max", type=int, default=12)
     parser.add_argument("--out", default="benchmarks/results/drafters.md")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafters compare against it)")
+    parser.add_argument("--lookup-only", action="store_true", help="only prompt lookup, auto and the random draft")
     args = parser.parse_args()
 
-    engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", drafter="none", device="cpu", dtype="float32")
+    engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype)
     views = {}
-    for name, (drafter, k) in drafters(engine, args.k_max).items():
+    for name, (drafter, k) in drafters(engine, args.k_max, not args.lookup_only).items():
         view = copy.copy(engine)  # shares the target, tokenizer and step costs
         view.drafter, view.num_speculative_tokens = drafter, k
         views[name] = view
@@ -132,9 +138,10 @@ def _add(sums: dict, result, seconds: float, baseline_s: float, identical: bool)
 
 def _table(totals: dict, names: list[str], args) -> str:
     lines = [
-        f"# Drafters on smollm2-135m-instruct (fp32, CPU, {torch.get_num_threads()} threads, {platform.machine()})",
+        f"# Drafters on smollm2-135m-instruct ({args.dtype}, CPU, {torch.get_num_threads()} threads, {platform.machine()})",
         "",
-        f"Command: `.venv/bin/python benchmarks/drafters.py --new-tokens {args.new_tokens} --k-max {args.k_max}`. "
+        f"Command: `.venv/bin/python benchmarks/drafters.py --new-tokens {args.new_tokens} --k-max {args.k_max} "
+        f"--dtype {args.dtype}{' --lookup-only' if args.lookup_only else ''} --out {args.out}`. "
         f"Greedy, {args.new_tokens} new tokens, 4 prompts per type; speedup = target-only seconds / drafter "
         "seconds on the same prompts, target-only run before and after each prompt's drafters.",
         "",
