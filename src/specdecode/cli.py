@@ -68,7 +68,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop at this string (repeatable).")] = None,
     chat: Annotated[
-        Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template [default: on if the model has one].")
+        Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template \\[default: on if the model has one].")
     ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
@@ -119,21 +119,21 @@ def generate(
 @app.command()
 def bench(
     quick: Annotated[bool, typer.Option(help="One prompt per Spec-Bench task, 32 tokens, k = 2 and 4: a few minutes.")] = False,
-    output_dir: Annotated[Optional[str], typer.Option(help="Folder for results.json, report.md and the plots [default: bench-results].")] = None,
-    target: Annotated[Optional[str], typer.Option(help=f"Target model [default: {DEFAULT_TARGET}].")] = None,
+    output_dir: Annotated[Optional[str], typer.Option(help="Folder for results.json, report.md and the plots \\[default: bench-results].")] = None,
+    target: Annotated[Optional[str], typer.Option(help=f"Target model \\[default: {DEFAULT_TARGET}].")] = None,
     draft: Annotated[Optional[list[str]], typer.Option(help="Draft model for the model drafter and HF assisted generation (repeatable).")] = None,
-    drafter: Annotated[Optional[list[str]], typer.Option(help="prompt-lookup and/or model (repeatable) [default: prompt-lookup, and model with --draft].")] = None,
-    k: Annotated[Optional[list[str]], typer.Option("-k", help="Tokens drafted per step, repeatable or comma-separated [default: 2,4,6].")] = None,
-    prompts: Annotated[Optional[str], typer.Option(help="JSONL prompts: Spec-Bench's question.jsonl or your own [default: the shipped subset].")] = None,
+    drafter: Annotated[Optional[list[str]], typer.Option(help="prompt-lookup and/or model (repeatable) \\[default: prompt-lookup, and model with --draft].")] = None,
+    k: Annotated[Optional[list[str]], typer.Option("-k", help="Tokens drafted per step, repeatable or comma-separated \\[default: 2,4,6].")] = None,
+    prompts: Annotated[Optional[str], typer.Option(help="JSONL prompts: Spec-Bench's question.jsonl or your own \\[default: the shipped subset].")] = None,
     category: Annotated[Optional[list[str]], typer.Option(help="Only these categories (repeatable or comma-separated; mt-bench = its eight).")] = None,
-    prompts_per_category: Annotated[Optional[int], typer.Option(help="First N prompts of each category; 0 = all [default: 0].")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per prompt [default: 128].")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy [default: 0].")] = None,
-    runs: Annotated[Optional[int], typer.Option(help="Passes over the prompts [default: 1].")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed of the system order and of sampling [default: 0].")] = None,
-    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template [default: on if the model has one].")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda [default: auto].")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 [default: auto].")] = None,
+    prompts_per_category: Annotated[Optional[int], typer.Option(help="First N prompts of each category; 0 = all \\[default: 0].")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per prompt \\[default: 128].")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy \\[default: 0].")] = None,
+    runs: Annotated[Optional[int], typer.Option(help="Passes over the prompts \\[default: 1].")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the system order and of sampling \\[default: 0].")] = None,
+    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template \\[default: on if the model has one].")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda \\[default: auto].")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 \\[default: auto].")] = None,
 ) -> None:
     """Benchmark against transformers on Spec-Bench prompts; write results.json, report.md and plots."""
     from specdecode.bench import BenchConfig, overall_table, run_benchmark, write_outputs
