@@ -20,7 +20,7 @@ from specdecode.drafters.base import Draft, Drafter
 from specdecode.sampling import SamplingParams
 
 EMA_WEIGHT = 0.2  # weight of the newest measurement
-PRIOR_ACCEPTANCE = 0.5  # a_i before position i was ever drafted: optimistic enough to try it
+PRIOR_ACCEPTANCE = 0.5  # a_1 before anything was drafted: optimistic enough to try it
 PRIOR_SLOPE = 0.1  # extra cost of each verified token, as a fraction of the one measured step size
 PROBE_EVERY = (4, 64)  # target-only steps between probes: first, then doubling up to the last
 
@@ -93,7 +93,7 @@ class AdaptiveK:
             return max(k_max, 0)
         if self.draft_seconds_per_token is None or not self.step_costs.seconds:
             return k_max  # nothing measured yet: try the most
-        self.acceptance += [PRIOR_ACCEPTANCE] * (k_max - len(self.acceptance))
+        self._cover(k_max)
         k = best_k(self.acceptance[:k_max], self.draft_seconds_per_token, self.step_costs.estimate)
         if k > 0:
             self._off_steps, self._probe_every = 0, PROBE_EVERY[0]
@@ -105,11 +105,17 @@ class AdaptiveK:
         self._off_steps, self._probe_every = 0, min(2 * self._probe_every, PROBE_EVERY[1])
         return 1
 
+    def _cover(self, positions: int) -> None:
+        # a position never drafted is assumed as good as the deepest one measured: once a run
+        # of drafts is accepted the next token usually is too (copying), so deeper k gets tried
+        fill = self.acceptance[-1] if self.acceptance else PRIOR_ACCEPTANCE
+        self.acceptance += [fill] * (positions - len(self.acceptance))
+
     def record_draft(self, num_drafted: int, seconds: float) -> None:
         self.draft_seconds_per_token = ema(self.draft_seconds_per_token, seconds / max(num_drafted, 1))
 
     def record_verdict(self, num_drafted: int, num_accepted: int) -> None:
-        self.acceptance += [PRIOR_ACCEPTANCE] * (num_drafted - len(self.acceptance))
+        self._cover(num_drafted)
         # position i was tried when every draft before it was accepted
         for i in range(min(num_accepted + 1, num_drafted)):
             self.acceptance[i] = ema(self.acceptance[i], float(i < num_accepted))
