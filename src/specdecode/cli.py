@@ -233,6 +233,41 @@ def _fast_supported(model) -> bool:
     return fast_llama.supports(model)
 
 
+@app.command()
+def serve(
+    target: Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")] = DEFAULT_TARGET,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")] = None,
+    drafter: Annotated[
+        str, typer.Option(help="auto, model, prompt-lookup, self-quantized, cross-tokenizer or none.")
+    ] = "auto",
+    k: Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")] = 4,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    api_key: Annotated[
+        Optional[str], typer.Option(envvar="SPECDECODE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
+    ] = None,
+    max_waiting: Annotated[int, typer.Option(help="Queued requests beyond the running one before 429.")] = 64,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    import uvicorn
+
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.server import create_app
+
+    with user_errors():
+        if not 0 < port < 65536:
+            raise InvalidArgumentError(f"--port must be in [1, 65535], got {port}")
+        if max_waiting < 1:
+            raise InvalidArgumentError(f"--max-waiting must be at least 1, got {max_waiting}")
+        with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
+            engine = SpeculativeEngine.from_pretrained(target, draft, drafter, k, device, dtype)
+    server_app = create_app(engine, model_name=target, api_key=api_key, max_waiting=max_waiting)
+    stderr.print(f"serving {target} on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""))
+    uvicorn.run(server_app, host=host, port=port, log_level="info")
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,267 @@
+"""The FastAPI app: OpenAI-style endpoints over one EngineWorker.
+
+Handlers check the request, hand it to the worker and await its Future, so the event
+loop stays free while the engine runs. Every failure is answered with OpenAI's error
+object, {"error": {"message", "type", "param", "code"}}, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode.engine import GenerationResult, SpeculativeEngine
+from specdecode.errors import PromptTooLongError, SpecDecodeError
+from specdecode.server import schemas
+from specdecode.server.metrics import ServerMetrics
+from specdecode.server.worker import EngineWorker, GenerationRequest, QueueFullError
+
+MAX_STOP_STRINGS = 4  # as OpenAI allows
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error object with this HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def create_app(
+    engine: SpeculativeEngine,
+    model_name: str = "specdecode",
+    api_key: str | None = None,
+    max_waiting: int = 64,
+    max_body_bytes: int = 1 << 20,
+) -> FastAPI:
+    """An app serving `engine` as `model_name`; requests to /v1 need `api_key` when one is set.
+
+    max_waiting: requests queued beyond the running one before new ones get 429.
+    max_body_bytes: larger request bodies get 413 (by their Content-Length).
+    """
+    metrics = ServerMetrics()
+    worker = EngineWorker(engine, metrics, max_waiting)
+    created = int(time.time())
+    context_length = engine.target_runner.max_length
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+
+    def error_response(error: APIError) -> JSONResponse:
+        metrics.errors.labels(error.code or error.type).inc()
+        detail = schemas.ErrorDetail(message=error.message, type=error.type, param=error.param, code=error.code)
+        body = schemas.ErrorResponse(error=detail)
+        return JSONResponse(body.model_dump(), status_code=error.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            reason = first.get("ctx", {}).get("error", first["msg"])
+            return error_response(APIError(400, f"the body is not valid JSON: {reason}", code="json_invalid"))
+        where = [str(part) for part in first["loc"] if part != "body"]
+        # param names the top-level field; the message has the full path (union branches included)
+        param = where[0] if where else None
+        message = f"{'.'.join(where) or 'body'}: {first['msg']}"
+        return error_response(APIError(422, message, param=param, code="invalid_type"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return error_response(APIError(error.status_code, str(error.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, error: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {error!r}", type="server_error", code="internal_error"))
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        # checked before the body is read; a body without Content-Length (chunked) is not limited yet
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > max_body_bytes:
+            message = f"the request body has {length} bytes; the limit is {max_body_bytes}"
+            return error_response(APIError(413, message, code="body_too_large"))
+        return await call_next(request)
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        # compare_digest: the time taken must not tell how much of the key was right
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            message = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+            raise APIError(401, message, type="authentication_error", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def list_models() -> schemas.ModelList:
+        card = schemas.ModelCard(id=model_name, created=created, max_model_len=context_length)
+        return schemas.ModelList(data=[card])
+
+    @v1.post("/completions")
+    async def completions(body: schemas.CompletionRequest):
+        if isinstance(body.prompt, str) and not body.prompt.strip() or body.prompt == []:
+            raise APIError(400, "the prompt is empty; give some text to continue", param="prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
+        result = await run(_generation_request(body, body.prompt, max_tokens), prompt_param="prompt")
+        head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name)
+        usage, speculative = _usage(result), result.stats.to_dict()
+        if body.stream:
+            chunks = (
+                schemas.CompletionResponse(**head, choices=[schemas.CompletionChoice(text=piece, finish_reason=reason)])
+                for piece, reason in _pieces(result)
+            )
+            tail = schemas.CompletionResponse(**head, choices=[], usage=usage, speculative=speculative)
+            return _sse(chunks, tail if _wants_usage(body) else None)
+        choice = schemas.CompletionChoice(text=result.text, finish_reason=result.finish_reason)
+        return schemas.CompletionResponse(**head, choices=[choice], usage=usage, speculative=speculative)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: schemas.ChatCompletionRequest):
+        if not any(m.text().strip() for m in body.messages):
+            raise APIError(400, "the messages are empty; give at least one with text", param="messages")
+        prompt, templated = _chat_prompt(engine, body.messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        # no limit given: up to the end of the context, as OpenAI's chat API does
+        max_tokens = max_tokens if max_tokens is not None else context_length
+        result = await run(_generation_request(body, prompt, max_tokens, templated), prompt_param="messages")
+        head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name)
+        usage, speculative = _usage(result), result.stats.to_dict()
+        if body.stream:
+            def chunk(delta: schemas.Delta, reason: str | None = None) -> schemas.ChatCompletionChunk:
+                choice = schemas.ChatChunkChoice(delta=delta, finish_reason=reason)
+                return schemas.ChatCompletionChunk(**head, choices=[choice])
+
+            first = chunk(schemas.Delta(role="assistant", content=""))  # OpenAI opens with the role
+            rest = [chunk(schemas.Delta(content=piece or None), reason) for piece, reason in _pieces(result)]
+            tail = schemas.ChatCompletionChunk(**head, choices=[], usage=usage, speculative=speculative)
+            return _sse(iter([first, *rest]), tail if _wants_usage(body) else None)
+        message = schemas.AssistantMessage(content=result.text)
+        choice = schemas.ChatChoice(message=message, finish_reason=result.finish_reason)
+        return schemas.ChatCompletionResponse(**head, choices=[choice], usage=usage, speculative=speculative)
+
+    def _generation_request(
+        body: schemas._Request, prompt: str | list[int], max_tokens: int, templated: bool = False
+    ) -> GenerationRequest:
+        """Check the values the schema cannot (ranges, the model's name) and build the worker's request."""
+        if body.model != model_name:
+            message = f"the model '{body.model}' does not exist; this server serves '{model_name}'"
+            raise APIError(404, message, param="model", code="model_not_found")
+        if body.n != 1:
+            raise APIError(400, f"n must be 1 for now, got {body.n}", param="n")
+        if not 1 <= max_tokens <= context_length:
+            message = f"max_tokens must be in [1, {context_length}] (the context length), got {max_tokens}"
+            raise APIError(400, message, param="max_tokens")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if not 0.0 <= temperature <= 2.0:
+            raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
+        if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
+            raise APIError(400, f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
+        if body.top_k is not None and body.top_k < 1 and body.top_k != -1:
+            raise APIError(400, f"top_k must be a positive integer (or -1: off), got {body.top_k}", param="top_k")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+            raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        top_k = None if body.top_k == -1 else body.top_k
+        return GenerationRequest(prompt, max_tokens, temperature, body.top_p, top_k, body.seed, stop, templated)
+
+    async def run(request: GenerationRequest, prompt_param: str) -> GenerationResult:
+        try:
+            # cancelling this await (client gone) cancels the Future too, so a queued request is skipped
+            return await asyncio.wrap_future(worker.submit(request))
+        except QueueFullError as error:
+            raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
+        except PromptTooLongError as error:
+            raise APIError(400, str(error), param=prompt_param, code="context_length_exceeded") from None
+        except SpecDecodeError as error:
+            raise APIError(400, str(error)) from None
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        # 503 once the engine thread has died: a supervisor should restart the server
+        alive = worker.alive
+        return PlainTextResponse("ok" if alive else "engine thread stopped", status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _chat_prompt(engine: SpeculativeEngine, messages: list[schemas.ChatMessage]) -> tuple[str, bool]:
+    """The prompt text, and whether it is a rendered chat template (with its special tokens)."""
+    tokenizer = engine.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False), True
+        except Exception as error:  # templates raise on what they do not accept (roles out of order, ...)
+            raise APIError(400, f"the model's chat template refused the messages: {error}", param="messages") from None
+    # a base model without a template: its contents, one message a line, to be continued
+    return "\n".join(m.text() for m in messages), False
+
+
+def _usage(result: GenerationResult) -> schemas.Usage:
+    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+    return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _pieces(result: GenerationResult) -> Iterator[tuple[str, str | None]]:
+    """The finished text in word-sized pieces, the finish reason on the last one.
+
+    Streaming comes after generation for now: the pieces go out once the whole result is
+    ready. True token streaming needs the engine to yield tokens as it verifies them.
+    """
+    words = re.findall(r"\S+\s*|\s+", result.text) or [""]
+    for i, word in enumerate(words):
+        yield word, result.finish_reason if i == len(words) - 1 else None
+
+
+def _wants_usage(body: schemas._Request) -> bool:
+    """A stream ends with a chunk of usage (and our stats) only when the client asks for it."""
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _sse(chunks: Iterator[BaseModel], tail: BaseModel | None) -> StreamingResponse:
+    def events() -> Iterator[str]:
+        for chunk in chunks:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+        if tail is not None:
+            yield f"data: {tail.model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,56 @@
+"""Prometheus metrics of the server, named in vLLM's style (`specdecode:...`), so dashboards
+made for vLLM need few changes.
+
+Each app gets its own registry: several apps in one process (as in the tests) must not
+share counts or collide on names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests_running = Gauge("specdecode:num_requests_running", "Requests being generated now.", registry=r)
+        self.requests_waiting = Gauge("specdecode:num_requests_waiting", "Requests queued for the engine.", registry=r)
+        self.prompt_tokens = Counter("specdecode:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("specdecode:generation_tokens", "Tokens generated.", registry=r)
+        self.draft_tokens = Counter(
+            "specdecode:spec_decode_num_draft_tokens", "Tokens the drafter proposed.", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "specdecode:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.", registry=r
+        )
+        self.target_forwards = Counter(
+            "specdecode:spec_decode_num_target_forwards", "Verification steps (target forwards).", registry=r
+        )
+        self.requests_finished = Counter(
+            "specdecode:request_success", "Requests finished, by finish reason.", ["finished_reason"], registry=r
+        )
+        self.errors = Counter(
+            "specdecode:request_errors", "Requests answered with an error, by kind.", ["kind"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "specdecode:time_to_first_token_seconds",
+            "Arrival to first token available to the client (queue wait included).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "specdecode:time_per_output_token_seconds",
+            "Decoding seconds per generated token.",
+            buckets=_PER_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "specdecode:e2e_request_latency_seconds",
+            "Arrival to the finished result (queue wait included).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )

@@ -1,0 +1,304 @@
+"""The OpenAI-compatible server, run for real with uvicorn on a local port and called with
+the official `openai` client (and httpx for what that client cannot send)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from typer.testing import CliRunner
+
+from specdecode import SpeculativeEngine
+from specdecode.cli import app as cli_app
+from specdecode.server import create_app
+
+MODEL = "tiny"
+PROMPT = "w1 w2 w3 w1 w2"
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` with uvicorn in a thread on a free port; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        threading.Event().wait(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """A second engine on the same folder, called directly: what the server must answer."""
+    return SpeculativeEngine.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_equals_engine_generate(client, reference):
+    expected = reference.generate(PROMPT, max_new_tokens=12, temperature=0)[0]
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = response.choices[0]
+    assert choice.text == expected.text and choice.finish_reason == expected.finish_reason
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    stats = response.model_extra["speculative"]
+    assert stats["drafter"] == "prompt-lookup" and stats["generated_tokens"] == len(expected.token_ids)
+
+
+def test_completion_of_token_ids_and_stop(client, reference):
+    ids = reference.encode(PROMPT)
+    expected = reference.generate([ids], max_new_tokens=10, temperature=0)[0]
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0).choices[0].text == expected.text
+    stop = expected.text.split()[2]  # a word the greedy output contains: the text ends before it
+    cut = reference.generate(PROMPT, max_new_tokens=10, temperature=0, stop=[stop])[0]
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stop=[stop])
+    assert response.choices[0].text == cut.text and response.choices[0].finish_reason == "stop"
+    assert stop not in response.choices[0].text
+
+
+def test_streamed_completion_joins_to_the_same_text(client, reference):
+    expected = reference.generate(PROMPT, max_new_tokens=12, temperature=0)[0]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_without_template_joins_the_messages(client, reference):
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3 w1 w2"}]
+    expected = reference.generate("w1 w2\nw3 w1 w2", max_new_tokens=10, temperature=0)[0]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_raw_stream_ends_with_done(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_seeded_sampling_repeats(client):
+    ask = lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)  # noqa: E731
+    assert ask().choices[0].text == ask().choices[0].text
+
+
+def test_concurrent_clients_all_get_their_answers(client, reference):
+    prompts = ["w1 w2 w3", "w4 w5 w4 w5", "w9 w8 w7", "w2 w2 w2 w3", "w10 w11"]
+    expected = [reference.generate(p, max_new_tokens=8, temperature=0)[0].text for p in prompts]
+    ask = lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text  # noqa: E731
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(ask, prompts)) == expected
+
+
+def test_models_and_health(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == 128
+    health = httpx.get(f"{server}/health")
+    assert health.status_code == 200 and health.text == "ok"
+
+
+BAD_REQUESTS = [
+    # (body, status, param): a JSON body the server must refuse, and how
+    ({"model": MODEL, "prompt": "  "}, 400, "prompt"),
+    ({"model": MODEL, "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": PROMPT, "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": PROMPT, "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": PROMPT, "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": " ".join(["w1"] * 200)}, 400, "prompt"),  # over the 128-token context
+    ({"model": MODEL, "prompt": [999]}, 400, None),  # a token id outside the vocabulary
+    ({"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}, 422, "max_tokens"),
+    ({"model": MODEL, "prompt": {"text": PROMPT}}, 422, "prompt"),
+    ({"model": MODEL}, 422, "prompt"),
+    ({"model": "gpt-4", "prompt": PROMPT}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD_REQUESTS)
+def test_bad_completion_requests_get_openai_errors(server, body, status, param):
+    response = httpx.post(f"{server}/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_bad_chat_requests_and_malformed_json(server, client):
+    url = f"{server}/v1/chat/completions"
+    malformed = httpx.post(url, content=b'{"model": "tiny", "messages": [', headers={"content-type": "application/json"})
+    assert malformed.status_code == 400 and malformed.json()["error"]["code"] == "json_invalid"
+    too_long = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": " ".join(["w1"] * 200)}]})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    wrong_role = httpx.post(url, json={"model": MODEL, "messages": [{"role": "robot", "content": "w1"}]})
+    assert wrong_role.status_code == 422 and wrong_role.json()["error"]["param"].startswith("messages")
+    empty = httpx.post(url, json={"model": MODEL, "messages": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+    huge = httpx.post(url, content=b" " * (2 << 20), headers={"content-type": "application/json"})
+    assert huge.status_code == 413
+    assert httpx.get(f"{server}/v1/nothing").json()["error"]["code"] == "not_found"
+    with pytest.raises(openai.BadRequestError):  # the official client raises its own error type
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    # and the server still serves
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_metrics_count_requests_tokens_and_errors(server, client):
+    names = [
+        "specdecode:num_requests_running",
+        "specdecode:num_requests_waiting",
+        "specdecode:generation_tokens_total",
+        "specdecode:spec_decode_num_draft_tokens_total",
+        "specdecode:spec_decode_num_accepted_tokens_total",
+        "specdecode:time_to_first_token_seconds_count",
+        "specdecode:time_per_output_token_seconds_count",
+        "specdecode:e2e_request_latency_seconds_count",
+    ]
+    before = httpx.get(f"{server}/metrics").text
+    assert all(name in before for name in names), before
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
+    after = httpx.get(f"{server}/metrics").text
+    assert metric(after, "specdecode:generation_tokens_total") >= metric(before, "specdecode:generation_tokens_total") + 1
+    latencies = "specdecode:e2e_request_latency_seconds_count"
+    assert metric(after, latencies) == metric(before, latencies) + 1
+    assert metric(after, "specdecode:num_requests_running") == 0
+    errors = 'specdecode:request_errors_total{kind="invalid_request_error"}'
+    assert metric(after, errors) == metric(before, errors) + 1
+
+
+def test_api_key_is_enforced(tiny_model_dir):
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    with serving(create_app(engine, model_name=MODEL, api_key="secret")) as url:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        for headers in ({}, {"authorization": "secret"}, {"authorization": "Basic secret"}):
+            refused = httpx.get(f"{url}/v1/models", headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0)
+        assert good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+
+
+class BlockingEngine:
+    """The real engine behind a gate, so requests pile up in the queue while it is shut."""
+
+    def __init__(self, engine):
+        self.engine, self.gate = engine, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, *args, **kwargs):
+        self.gate.wait(10)
+        return self.engine.generate(*args, **kwargs)
+
+
+def test_full_queue_answers_429_and_recovers(tiny_model_dir):
+    engine = BlockingEngine(SpeculativeEngine.from_pretrained(tiny_model_dir))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    with serving(create_app(engine, model_name=MODEL, max_waiting=1)) as url, ThreadPoolExecutor(2) as pool:
+        running = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=20)
+        wait_for(lambda: metric(httpx.get(f"{url}/metrics").text, "specdecode:num_requests_running") == 1)
+        waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=20)
+        wait_for(lambda: metric(httpx.get(f"{url}/metrics").text, "specdecode:num_requests_waiting") == 1)
+        refused = httpx.post(f"{url}/v1/completions", json=body)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        engine.gate.set()
+        assert running.result().status_code == 200 and waiting.result().status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+
+
+def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        deadline.wait(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def test_serve_command_reports_a_missing_model():
+    result = CliRunner().invoke(cli_app, ["serve", "--target", "/no/such/model"])
+    assert result.exit_code == 2 and "error" in result.output
+
+
+def test_chat_template_is_applied_when_the_tokenizer_has_one(tiny_model_dir, reference):
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    # a toy template: each message's words, then w0 w0 to open the assistant's turn
+    engine.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w0 w0"
+    messages = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5"}, {"role": "user", "content": "w6"}]
+    expected = reference.generate("w3 w4 w5 w6 w0 w0", max_new_tokens=6, temperature=0)[0]
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+class FailingEngine(BlockingEngine):
+    """Fails its first generation with an unexpected error, as a bug would."""
+
+    def generate(self, *args, **kwargs):
+        if not self.gate.is_set():
+            self.gate.set()
+            raise RuntimeError("boom")
+        return self.engine.generate(*args, **kwargs)
+
+
+def test_an_engine_crash_is_a_500_and_the_server_goes_on(tiny_model_dir):
+    engine = FailingEngine(SpeculativeEngine.from_pretrained(tiny_model_dir))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        failed = httpx.post(f"{url}/v1/completions", json=body)
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert metric(httpx.get(f"{url}/metrics").text, 'specdecode:request_errors_total{kind="internal_error"}') == 1
