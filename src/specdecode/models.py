@@ -153,9 +153,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def converted_gguf(gguf: Path) -> Path:
     """The safetensors folder for a .gguf file, converting it on first use."""
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    folder = cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    folder = cache_dir() / "converted" / f"{gguf.stem}-{_fingerprint(gguf)}"
     if not (folder / "config.json").exists():
         _convert_gguf(gguf, folder)
     return folder
@@ -177,9 +175,24 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         staging.rename(folder)  # atomic: a crash never leaves a half-written model behind
-    except BaseException:
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+        # another process (a second test worker, a second CLI) converted the same file first
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+
+def _fingerprint(path: Path, sample: int = 1 << 20) -> str:
+    """Names the file by its size and its first and last MiB: the same file installed in
+    another environment maps to the same converted folder, and reading it stays quick."""
+    size = path.stat().st_size
+    digest = hashlib.sha1(str(size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(sample))
+        f.seek(max(0, size - sample))
+        digest.update(f.read(sample))
+    return digest.hexdigest()[:12]
 
 
 def check_same_vocabulary(

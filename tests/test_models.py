@@ -1,0 +1,34 @@
+"""The .gguf conversion cache: one folder per file content, safe when two processes convert at once."""
+
+from conftest import tiny_llama, tiny_tokenizer
+from specdecode import models
+
+
+def test_the_same_file_in_two_places_maps_to_one_converted_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    data = bytes(range(256)) * 20000
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    assert models._fingerprint(first) == models._fingerprint(second)
+    second.write_bytes(data[:-1] + b"x")
+    assert models._fingerprint(first) != models._fingerprint(second)
+
+
+def gguf_loaded_model():
+    model = tiny_llama(seed=0)
+    model.config.quantization_config = {"quant_method": "gguf"}  # as transformers' gguf loader leaves it
+    return model
+
+
+def test_a_conversion_that_loses_the_race_keeps_the_winners_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: gguf_loaded_model())
+    folder = tmp_path / "converted" / "m-123"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # another process finished first
+    (folder / "model.safetensors").write_text("theirs")
+    models._convert_gguf(tmp_path / "m.gguf", folder)
+    assert (folder / "model.safetensors").read_text() == "theirs"
+    assert [p.name for p in folder.parent.iterdir()] == ["m-123"]  # our staging folder is gone
