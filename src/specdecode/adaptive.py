@@ -88,13 +88,19 @@ class AdaptiveK:
         self._off_steps = 0
         self._probe_every = PROBE_EVERY[0]
 
-    def choose(self, k_max: int) -> int:
+    def choose(self, k_max: int, batch_size: int = 1) -> int:
+        """The k for the next step; batch_size sequences draft it and share one verification
+        forward, whose cost step_costs knows by its total tokens."""
         if k_max <= 0 or self.step_costs.fixed_k:
             return max(k_max, 0)
         if self.draft_seconds_per_token is None or not self.step_costs.seconds:
             return k_max  # nothing measured yet: try the most
         self._cover(k_max)
-        k = best_k(self.acceptance[:k_max], self.draft_seconds_per_token, self.step_costs.estimate)
+
+        def verify_seconds(n: int) -> float:  # a sequence's share of a forward verifying n tokens each
+            return self.step_costs.estimate(batch_size * n) / batch_size
+
+        k = best_k(self.acceptance[:k_max], self.draft_seconds_per_token, verify_seconds)
         if k > 0:
             self._off_steps, self._probe_every = 0, PROBE_EVERY[0]
             return k

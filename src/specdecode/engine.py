@@ -185,6 +185,58 @@ class SpeculativeEngine:
         chat: bool = False,
     ) -> list[GenerationResult]:
         """Generate for each prompt; one GenerationResult per prompt, in order."""
+        params, stopping, generator = self.sampling_setup(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
+        # adaptive k follows the clock; a seed must repeat its samples, so seeded sampling drafts k every step
+        self.step_costs.fixed_k = seed is not None and not params.greedy
+        k = self.num_speculative_tokens if speculative else 0
+        return [self._generate_one(ids, k, params, stopping, generator) for ids in prompt_ids]
+
+    def generate_batched(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        chat: bool = False,
+        max_batch_size: int = 8,
+    ) -> list[GenerationResult]:
+        """As `generate`, but up to max_batch_size prompts decode together (continuous batching,
+        batching.py): one target forward per step verifies every sequence's draft. Each prompt
+        gets its own generator, seeded seed + its index when a seed is given."""
+        from specdecode.batching import BatchDecoder, BatchSequence
+
+        params, stopping, _ = self.sampling_setup(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
+        decoder = BatchDecoder(self.batch_runner(max_batch_size), self.num_speculative_tokens)
+        waiting = [
+            BatchSequence(ids, params, stopping, _generator(None if seed is None else seed + i), self.sequence_drafter(),
+                          fixed_k=seed is not None and not params.greedy)
+            for i, ids in enumerate(prompt_ids)
+        ]
+        order, start = list(waiting), time.perf_counter()
+        while waiting or decoder.active:
+            while waiting and decoder.has_room:
+                decoder.add(waiting.pop(0))
+            for seq, _ in decoder.step():
+                if seq.finish is not None:
+                    decoder.remove(seq)
+                    seq.stats.wall_time_s = time.perf_counter() - start
+        return [self.result(s.prompt_ids, s.generated, s.finish.reason, s.stats, stopping) for s in order]
+
+    def sampling_setup(
+        self,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int | None,
+        stop: str | Sequence[str] | None,
+    ) -> tuple[SamplingParams, StoppingCriteria, torch.Generator]:
+        """Check a request's settings; its sampling params, stopping criteria and generator."""
         params = SamplingParams(temperature, top_k, top_p)
         if max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -193,19 +245,25 @@ class SpeculativeEngine:
             raise InvalidArgumentError("stop strings need a tokenizer; this engine has none")
         if any(not s for s in stop_strings):
             raise InvalidArgumentError("stop strings must not be empty")
-        prompt_ids = [self._prompt_ids(p, chat) for p in _as_prompt_list(prompts)]
         stopping = StoppingCriteria(
             max_new_tokens, self.eos_token_ids, stop_strings, self.decode if self.tokenizer else None
         )
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()  # fresh entropy
-        else:
-            generator.manual_seed(seed)
-        # adaptive k follows the clock; a seed must repeat its samples, so seeded sampling drafts k every step
-        self.step_costs.fixed_k = seed is not None and not params.greedy
-        k = self.num_speculative_tokens if speculative else 0
-        return [self._generate_one(ids, k, params, stopping, generator) for ids in prompt_ids]
+        return params, stopping, _generator(seed)
+
+    def batch_runner(self, max_batch_size: int):
+        """The target with max_batch_size slots, for BatchDecoder."""
+        from specdecode.batch_runner import BatchRunner
+
+        if max_batch_size < 1:
+            raise InvalidArgumentError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        return BatchRunner(self.target_runner, max_batch_size)
+
+    def sequence_drafter(self) -> Drafter | None:
+        """A drafter of this engine's kind for one more sequence decoded alongside others, or None
+        when it cannot have one per sequence (a draft model holds one cache: batch size 1 only)."""
+        inner = self.drafter.inner if isinstance(self.drafter, AdaptiveDrafter) else self.drafter
+        fork = getattr(inner, "fork", None)
+        return fork() if fork is not None else None
 
     def _generate_one(
         self,
@@ -221,6 +279,11 @@ class SpeculativeEngine:
             target, self.drafter, prompt_ids, k, params, stopping, generator, self.step_costs
         )
         stats.wall_time_s = time.perf_counter() - start
+        return self.result(prompt_ids, token_ids, reason, stats, stopping)
+
+    def result(
+        self, prompt_ids: list[int], token_ids: list[int], reason: str, stats: GenerationStats, stopping: StoppingCriteria
+    ) -> GenerationResult:
         text = None
         if self.tokenizer is not None:
             text = self.decode(token_ids)
@@ -228,7 +291,7 @@ class SpeculativeEngine:
                 text = _cut_at_stop_string(text, stopping.stop_strings)
         return GenerationResult(text, token_ids, prompt_ids, reason, stats)
 
-    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+    def prompt_token_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InvalidArgumentError("the prompt is empty; give some text to continue")
@@ -246,6 +309,15 @@ class SpeculativeEngine:
                 "shorten the prompt"
             )
         return ids
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()  # fresh entropy
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
 def _as_prompt_list(prompts: str | Sequence) -> list:

@@ -48,8 +48,9 @@ class _Layer:
 
 
 class FastLlamaRunner(StaticCacheRunner):
-    """One sequence at a time, on the model's device and dtype; quantization="int8" stores the
-    layers' products as weight-only int8 (the embedding and output head stay as they are)."""
+    """On the model's device and dtype: one sequence in `self.cache` (forward), or several, each
+    with a cache of its own (forward_batch, new_cache). quantization="int8" stores the layers'
+    products as weight-only int8 (the embedding and output head stay as they are)."""
 
     def __init__(self, model: PreTrainedModel, quantization: str | None = None):
         if not supports(model):
@@ -68,48 +69,70 @@ class FastLlamaRunner(StaticCacheRunner):
         self.lm_head = model.get_output_embeddings().weight
         self.layers = [_fuse(layer, quantization) for layer in model.model.layers]
         self._rotary = model.model.rotary_emb
-        self.cache = StaticKVCache(
-            len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, INITIAL_CAPACITY
-        )
+        self.cache = self.new_cache()
         self._cos = self._sin = torch.empty(0, self.head_dim)
 
-    @torch.inference_mode()
+    def new_cache(self, capacity: int = INITIAL_CAPACITY) -> StaticKVCache:
+        return StaticKVCache(
+            len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, capacity
+        )
+
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        start, n = self.cache.length, token_ids.shape[0]
-        self.cache.reserve(n)
-        if self._cos.shape[0] < self.cache.capacity:
-            self._rope_tables(self.cache.capacity)
-        x = F.embedding(token_ids.to(self.device), self.embed)  # [n, hidden]
-        cos, sin = self._cos[start : start + n], self._sin[start : start + n]  # [n, head_dim]
-        mask = self.cache.causal_mask(n)
+        return self.forward_batch([self.cache], [token_ids], [num_logits])[0]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        caches: list[StaticKVCache],  # one per sequence, each holding that sequence's prefix
+        token_ids: list[torch.Tensor],  # [n_i] new tokens of sequence i, run after its cache
+        num_logits: list[int],  # logits wanted for the last num_logits[i] new tokens of sequence i
+    ) -> list[torch.Tensor]:  # [num_logits[i], vocab] per sequence
+        """Several sequences in one pass: their new tokens are stacked into one [sum n_i, hidden]
+        matrix for every projection (no padding); only attention runs per sequence."""
+        sizes = [t.shape[0] for t in token_ids]
+        for cache, n in zip(caches, sizes):
+            cache.reserve(n)
+        if self._cos.shape[0] < max(cache.capacity for cache in caches):
+            self._rope_tables(max(cache.capacity for cache in caches))
+        x = F.embedding(torch.cat(token_ids).to(self.device), self.embed)  # [sum n_i, hidden]
+        cos = torch.cat([self._cos[c.length : c.length + n] for c, n in zip(caches, sizes)])  # [sum n_i, head_dim]
+        sin = torch.cat([self._sin[c.length : c.length + n] for c, n in zip(caches, sizes)])
+        masks = [cache.causal_mask(n) for cache, n in zip(caches, sizes)]
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, mask)
+            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, caches, sizes, masks)
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        self.cache.advance(n)
-        logits = F.linear(_rms_norm(x[-num_logits:], self.final_norm, self.eps), self.lm_head)
-        return logits.float().cpu()  # [num_logits, vocab]
+        for cache, n in zip(caches, sizes):
+            cache.advance(n)
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        last = torch.cat([x[end - m : end] for end, m in zip(ends, num_logits)])  # [sum num_logits, hidden]
+        logits = F.linear(_rms_norm(last, self.final_norm, self.eps), self.lm_head)
+        return list(logits.float().cpu().split(num_logits))
 
     def _attention(
         self,
         index: int,
         layer: _Layer,
-        h: torch.Tensor,  # [n, hidden]
-        cos: torch.Tensor,  # [n, head_dim]
-        sin: torch.Tensor,  # [n, head_dim]
-        mask: torch.Tensor | None,  # [n, cached + n] bool, None when n == 1
-    ) -> torch.Tensor:  # [n, hidden]
-        n, d = h.shape[0], self.head_dim
+        h: torch.Tensor,  # [sum n_i, hidden]
+        cos: torch.Tensor,  # [sum n_i, head_dim]
+        sin: torch.Tensor,  # [sum n_i, head_dim]
+        caches: list[StaticKVCache],
+        sizes: list[int],  # n_i
+        masks: list[torch.Tensor | None],  # [n_i, cached_i + n_i] bool, None when n_i == 1
+    ) -> torch.Tensor:  # [sum n_i, hidden]
+        total, d = h.shape[0], self.head_dim
         q, k, v = layer.qkv(h).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
         )
-        q = _rope(q.view(n, self.num_heads, d).transpose(0, 1), cos, sin)  # [heads, n, d]
-        k = _rope(k.view(n, self.num_kv_heads, d).transpose(0, 1), cos, sin)  # [kv_heads, n, d]
-        keys, values = self.cache.write(index, k, v.view(n, self.num_kv_heads, d).transpose(0, 1))
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True
-        )  # [1, heads, n, d]
-        return layer.o(out[0].transpose(0, 1).reshape(n, self.num_heads * d))
+        q = _rope(q.view(total, self.num_heads, d).transpose(0, 1), cos, sin)  # [heads, sum n_i, d]
+        k = _rope(k.view(total, self.num_kv_heads, d).transpose(0, 1), cos, sin)  # [kv_heads, sum n_i, d]
+        v = v.view(total, self.num_kv_heads, d).transpose(0, 1)
+        outs = []
+        for cache, q_i, k_i, v_i, mask in zip(caches, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks):
+            keys, values = cache.write(index, k_i, v_i)
+            outs.append(F.scaled_dot_product_attention(q_i[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0])
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [heads, sum n_i, d]
+        return layer.o(out.transpose(0, 1).reshape(total, self.num_heads * d))
 
     def _rope_tables(self, length: int) -> None:
         positions = torch.arange(length, device=self.device)[None]

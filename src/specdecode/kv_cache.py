@@ -91,6 +91,11 @@ class StaticKVCache:
         self.keys = self.values = torch.empty(self.shape, dtype=dtype, device=device)
         self._grow(min(capacity, max_length))
 
+    def empty_copy(self) -> StaticKVCache:
+        """A new, empty cache of the same shape, for another sequence."""
+        layers, heads, _, dim = self.shape
+        return StaticKVCache(layers, heads, dim, self.max_length, self.dtype, self.device, self.capacity)
+
     def reserve(self, num_new: int) -> None:
         """Make room for num_new more positions."""
         if self.length + num_new > self.capacity:

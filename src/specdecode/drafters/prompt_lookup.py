@@ -4,6 +4,8 @@ requests' text. It drafts deterministically from the tokens alone, so its q is o
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specdecode.drafters.base import Draft
@@ -39,6 +41,11 @@ class PromptLookupDrafter:
         self.history_tokens = history_tokens
         self._history = torch.zeros(0, dtype=torch.long)  # [<= history_tokens] earlier requests
         self._last: list[int] = []  # the latest sequence seen, added to the history at the next begin
+
+    def fork(self) -> PromptLookupDrafter:
+        """A drafter for another sequence generated alongside (batching): same settings, and
+        a snapshot of the history that its own requests then extend."""
+        return copy.copy(self)
 
     def begin(self, prompt_ids: list[int]) -> None:
         if self.use_history and self._last:

@@ -1,0 +1,107 @@
+"""Continuous batching (batching.py, batch_runner.py): every sequence gets what it gets alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_gpt2, tiny_llama
+from specdecode import SpeculativeEngine
+from specdecode.adaptive import AdaptiveK, StepCosts
+from specdecode.batch_runner import BatchRunner
+from specdecode.batching import BatchDecoder, BatchSequence
+from specdecode.drafters import PromptLookupDrafter
+from specdecode.fast_llama import FastLlamaRunner
+from specdecode.sampling import SamplingParams
+from specdecode.stopping import StoppingCriteria
+from test_distribution import PROMPT, VOCAB, exact_joint, g_test_pvalue, target_and_draft
+from test_greedy import hf_greedy
+
+PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20], [2], [7, 7, 7, 7, 7, 7, 7, 7, 7, 1]]
+
+
+def test_a_batched_forward_gives_each_sequence_its_own_logits():
+    """Ragged prefills, then ragged steps after ragged cache lengths, against one sequence at a time."""
+    model = tiny_llama(seed=3)
+    batched, alone = BatchRunner(FastLlamaRunner(model), num_slots=3), FastLlamaRunner(model)
+    steps = [  # per step: the new tokens of slots 0, 1, 2
+        [[1, 2, 3], [4, 5, 6, 7, 8], [9]],
+        [[10], [11, 12, 13], [14, 15]],
+        [[16, 17], [18], [19, 20, 21, 22]],
+    ]
+    history = [[], [], []]
+    for step in steps:
+        got = batched.forward([0, 1, 2], [torch.tensor(t) for t in step], [len(t) for t in step])
+        for slot, tokens in enumerate(step):
+            history[slot] += tokens
+            alone.reset()
+            expected = alone.forward(torch.tensor(history[slot]), len(tokens))
+            torch.testing.assert_close(got[slot], expected, atol=1e-5, rtol=1e-5)
+    assert [batched.cache_length(s) for s in range(3)] == [6, 9, 7]
+
+
+@pytest.mark.parametrize("family", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("drafter", [PromptLookupDrafter(), None], ids=["prompt-lookup", "target-only"])
+@pytest.mark.parametrize("max_batch_size", [2, 8])
+def test_greedy_batched_output_equals_transformers_generate(family, drafter, max_batch_size):
+    """Sequences join as others finish (5 prompts, 2 slots) and accept ragged numbers of tokens."""
+    target = family(seed=1)
+    engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=4)
+    results = engine.generate_batched(PROMPTS, max_new_tokens=30, max_batch_size=max_batch_size)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 30) for p in PROMPTS]
+    if drafter is not None:
+        assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified in batches
+
+
+MIXED = [dict(temperature=1.0), dict(temperature=0.7, top_k=4)]
+SAMPLES = 1500
+
+
+def test_batched_sampling_with_mixed_params_keeps_each_target_distribution():
+    """Sequences of two sampling settings, prompt lookup, k = 3, decoded 8 at a time; each
+    setting's first two tokens pass a G-test against the target and fail against the draft."""
+    target, other = target_and_draft(tiny_llama)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
+    decoder = BatchDecoder(engine.batch_runner(8), num_speculative_tokens=3)
+    waiting = [
+        BatchSequence(
+            PROMPT, SamplingParams(**MIXED[i % 2]), StoppingCriteria(4), torch.Generator().manual_seed(i),
+            engine.sequence_drafter(),
+        )
+        for i in range(2 * SAMPLES)
+    ]
+    done, queue = [], list(waiting)
+    while queue or decoder.active:
+        while queue and decoder.has_room:
+            decoder.add(queue.pop(0))
+        for seq, _ in decoder.step():
+            if seq.finish is not None:
+                decoder.remove(seq)
+                done.append(seq)
+    assert sum(s.stats.accepted_tokens for s in done) > 0
+    for i, params in enumerate(MIXED):
+        counts = np.zeros(VOCAB**2)
+        for seq in waiting[i::2]:
+            counts[np.ravel_multi_index(seq.generated[:2], [VOCAB] * 2)] += 1
+        assert g_test_pvalue(counts, exact_joint(target, params)) > 0.001, params
+        assert g_test_pvalue(counts, exact_joint(other, params)) < 0.001, params  # negative control
+
+
+def test_seeded_sampling_repeats_whatever_else_is_in_the_batch():
+    target = tiny_llama(seed=1)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
+    alone = engine.generate_batched(PROMPTS[:1], max_new_tokens=20, temperature=1.0, seed=5, max_batch_size=1)
+    crowded = engine.generate_batched(PROMPTS, max_new_tokens=20, temperature=1.0, seed=5, max_batch_size=4)
+    assert crowded[0].token_ids == alone[0].token_ids
+
+
+def test_k_falls_to_plain_batched_decoding_when_a_big_batch_makes_drafts_expensive():
+    """One forward costs about the same for 1 to 5 tokens, but grows with tokens past that."""
+    costs = StepCosts()
+    for tokens in (1, 2, 5, 8, 16, 40):
+        costs.record(tokens, 0.033 if tokens <= 5 else 0.033 * tokens / 5)
+    policy = AdaptiveK(costs)
+    policy.record_draft(4, 0.0004)
+    for _ in range(20):
+        policy.record_verdict(4, 1)  # the first draft token is accepted, the second never
+    assert policy.choose(4, batch_size=1) > 0
+    assert policy.choose(4, batch_size=8) == 0
