@@ -44,6 +44,7 @@ class BatchSequence:
     slot: int | None = None
     cached: int = 0  # leading tokens of `tokens` held in the slot's cache
     finish: Stop | None = None  # set by the step that ends the sequence
+    tag: object = None  # the caller's own record of this sequence (the server's request handle)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids) + self.generated  # a resumed sequence keeps what it had
@@ -85,25 +86,29 @@ class BatchDecoder:
             seq.cached = 0
             self.runner.crop(seq.slot, 0)
 
-    def step(self) -> list[tuple[BatchSequence, list[int]]]:
-        """Advance every active sequence once; the tokens each emitted, in order. A sequence
-        whose `finish` is set afterwards is done (its tokens past the stop are already cut)."""
-        k = self._choose_k()
-        drafts = [self._draft(seq, k) for seq in self.active]
-        for seq in self.active:
+    def step(self, sequences: list[BatchSequence] | None = None) -> list[tuple[BatchSequence, list[int]]]:
+        """Advance every active sequence (or just `sequences`) once; the tokens each emitted. A
+        sequence whose `finish` is set afterwards is done (its tokens past the stop are cut).
+
+        Nothing a sequence keeps changes before the target forward has succeeded, so a step
+        that raised can simply be run again."""
+        sequences = self.active if sequences is None else sequences
+        k = self._choose_k(sequences)
+        drafts = [self._draft(seq, k) for seq in sequences]
+        for seq in sequences:
             self.runner.crop(seq.slot, seq.cached)  # also undoes a failed earlier attempt of this step
-        new_tokens = [torch.tensor(s.tokens[s.cached :] + d.tokens.tolist()) for s, d in zip(self.active, drafts)]
+        new_tokens = [torch.tensor(s.tokens[s.cached :] + d.tokens.tolist()) for s, d in zip(sequences, drafts)]
         start = time.perf_counter()
-        logits = self.runner.forward([s.slot for s in self.active], new_tokens, [len(d) + 1 for d in drafts])
-        emitted = [self._accept(seq, draft, seq_logits) for seq, draft, seq_logits in zip(self.active, drafts, logits)]
+        logits = self.runner.forward([s.slot for s in sequences], new_tokens, [len(d) + 1 for d in drafts])
+        emitted = [self._accept(seq, draft, seq_logits) for seq, draft, seq_logits in zip(sequences, drafts, logits)]
         if all(n.shape[0] == len(d) + 1 for n, d in zip(new_tokens, drafts)):  # no prefill: a decoding step's cost
             self.costs.record(sum(n.shape[0] for n in new_tokens), time.perf_counter() - start)
-        return list(zip(self.active, emitted))
+        return list(zip(sequences, emitted))
 
-    def _choose_k(self) -> int:
-        if not self.adaptive or not any(s.drafter is not None for s in self.active):
+    def _choose_k(self, sequences: list[BatchSequence]) -> int:
+        if not self.adaptive or not any(s.drafter is not None for s in sequences):
             return self.k_max
-        return self.policy.choose(self.k_max, batch_size=len(self.active))
+        return self.policy.choose(self.k_max, batch_size=len(sequences))
 
     def _draft(self, seq: BatchSequence, k: int) -> Draft:
         k = self.k_max if seq.fixed_k else k

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import re
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -26,9 +26,18 @@ from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import PromptTooLongError, SpecDecodeError
 from specdecode.server import schemas
 from specdecode.server.metrics import ServerMetrics
-from specdecode.server.worker import EngineWorker, GenerationRequest, QueueFullError
+from specdecode.server.faults import StepHook
+from specdecode.server.worker import (
+    EngineWorker,
+    GenerationRequest,
+    QueueFullError,
+    RequestHandle,
+    RequestTimeoutError,
+    ShuttingDownError,
+)
 
 MAX_STOP_STRINGS = 4  # as OpenAI allows
+DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
 
 
 class APIError(Exception):
@@ -52,14 +61,20 @@ def create_app(
     api_key: str | None = None,
     max_waiting: int = 64,
     max_body_bytes: int = 1 << 20,
+    max_batch_size: int = 16,
+    max_request_seconds: float = 600.0,
+    faults: StepHook | None = None,
 ) -> FastAPI:
     """An app serving `engine` as `model_name`; requests to /v1 need `api_key` when one is set.
 
-    max_waiting: requests queued beyond the running one before new ones get 429.
+    max_waiting: requests queued beyond the running batch before new ones get 429.
     max_body_bytes: larger request bodies get 413 (by their Content-Length).
+    max_batch_size: requests decoded together (continuous batching, batching.py).
+    max_request_seconds: a request still running this long after it arrived fails with 504.
+    faults: a hook that fails engine steps on purpose (server/faults.py), for tests.
     """
     metrics = ServerMetrics()
-    worker = EngineWorker(engine, metrics, max_waiting)
+    worker = EngineWorker(engine, metrics, max_waiting, max_batch_size, max_request_seconds, faults)
     created = int(time.time())
     context_length = engine.target_runner.max_length
 
@@ -74,8 +89,7 @@ def create_app(
 
     def error_response(error: APIError) -> JSONResponse:
         metrics.errors.labels(error.code or error.type).inc()
-        detail = schemas.ErrorDetail(message=error.message, type=error.type, param=error.param, code=error.code)
-        body = schemas.ErrorResponse(error=detail)
+        body = schemas.ErrorResponse(error=_error_detail(error))
         return JSONResponse(body.model_dump(), status_code=error.status)
 
     @app.exception_handler(APIError)
@@ -103,14 +117,10 @@ def create_app(
     async def _internal(_: Request, error: Exception) -> JSONResponse:
         return error_response(APIError(500, f"internal error: {error!r}", type="server_error", code="internal_error"))
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        # checked before the body is read; a body without Content-Length (chunked) is not limited yet
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > max_body_bytes:
-            message = f"the request body has {length} bytes; the limit is {max_body_bytes}"
-            return error_response(APIError(413, message, code="body_too_large"))
-        return await call_next(request)
+    def body_too_large(length: int) -> JSONResponse:
+        return error_response(APIError(413, f"the request body has {length} bytes; the limit is {max_body_bytes}", code="body_too_large"))
+
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes, refuse=body_too_large)
 
     def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -130,46 +140,51 @@ def create_app(
         return schemas.ModelList(data=[card])
 
     @v1.post("/completions")
-    async def completions(body: schemas.CompletionRequest):
+    async def completions(body: schemas.CompletionRequest, http: Request):
         if isinstance(body.prompt, str) and not body.prompt.strip() or body.prompt == []:
             raise APIError(400, "the prompt is empty; give some text to continue", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
-        result = await run(_generation_request(body, body.prompt, max_tokens), prompt_param="prompt")
+        handle = submit(_generation_request(body, body.prompt, max_tokens))
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name)
-        usage, speculative = _usage(result), result.stats.to_dict()
         if body.stream:
-            chunks = (
-                schemas.CompletionResponse(**head, choices=[schemas.CompletionChoice(text=piece, finish_reason=reason)])
-                for piece, reason in _pieces(result)
-            )
-            tail = schemas.CompletionResponse(**head, choices=[], usage=usage, speculative=speculative)
-            return _sse(chunks, tail if _wants_usage(body) else None)
+            def chunk(text: str, reason: str | None = None) -> schemas.CompletionResponse:
+                return schemas.CompletionResponse(**head, choices=[schemas.CompletionChoice(text=text, finish_reason=reason)])
+
+            def tail(result: GenerationResult) -> list[BaseModel]:
+                usage = schemas.CompletionResponse(**head, choices=[], usage=_usage(result), speculative=result.stats.to_dict())
+                return [chunk("", result.finish_reason)] + ([usage] if _wants_usage(body) else [])
+
+            return await stream(handle, "prompt", [], chunk, tail)
+        result = await outcome(handle, http, "prompt")
         choice = schemas.CompletionChoice(text=result.text, finish_reason=result.finish_reason)
-        return schemas.CompletionResponse(**head, choices=[choice], usage=usage, speculative=speculative)
+        return schemas.CompletionResponse(**head, choices=[choice], usage=_usage(result), speculative=result.stats.to_dict())
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: schemas.ChatCompletionRequest):
+    async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
         if not any(m.text().strip() for m in body.messages):
             raise APIError(400, "the messages are empty; give at least one with text", param="messages")
         prompt, templated = _chat_prompt(engine, body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # no limit given: up to the end of the context, as OpenAI's chat API does
         max_tokens = max_tokens if max_tokens is not None else context_length
-        result = await run(_generation_request(body, prompt, max_tokens, templated), prompt_param="messages")
+        handle = submit(_generation_request(body, prompt, max_tokens, templated))
         head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name)
-        usage, speculative = _usage(result), result.stats.to_dict()
         if body.stream:
-            def chunk(delta: schemas.Delta, reason: str | None = None) -> schemas.ChatCompletionChunk:
-                choice = schemas.ChatChunkChoice(delta=delta, finish_reason=reason)
+            def chunk(text: str | None, reason: str | None = None, role: str | None = None) -> schemas.ChatCompletionChunk:
+                choice = schemas.ChatChunkChoice(delta=schemas.Delta(role=role, content=text), finish_reason=reason)
                 return schemas.ChatCompletionChunk(**head, choices=[choice])
 
-            first = chunk(schemas.Delta(role="assistant", content=""))  # OpenAI opens with the role
-            rest = [chunk(schemas.Delta(content=piece or None), reason) for piece, reason in _pieces(result)]
-            tail = schemas.ChatCompletionChunk(**head, choices=[], usage=usage, speculative=speculative)
-            return _sse(iter([first, *rest]), tail if _wants_usage(body) else None)
-        message = schemas.AssistantMessage(content=result.text)
-        choice = schemas.ChatChoice(message=message, finish_reason=result.finish_reason)
-        return schemas.ChatCompletionResponse(**head, choices=[choice], usage=usage, speculative=speculative)
+            def tail(result: GenerationResult) -> list[BaseModel]:
+                usage = schemas.ChatCompletionChunk(**head, choices=[], usage=_usage(result), speculative=result.stats.to_dict())
+                return [chunk(None, result.finish_reason)] + ([usage] if _wants_usage(body) else [])
+
+            # OpenAI opens a chat stream with the role
+            return await stream(handle, "messages", [chunk("", role="assistant")], chunk, tail)
+        result = await outcome(handle, http, "messages")
+        choice = schemas.ChatChoice(message=schemas.AssistantMessage(content=result.text), finish_reason=result.finish_reason)
+        return schemas.ChatCompletionResponse(
+            **head, choices=[choice], usage=_usage(result), speculative=result.stats.to_dict()
+        )
 
     def _generation_request(
         body: schemas._Request, prompt: str | list[int], max_tokens: int, templated: bool = False
@@ -194,18 +209,68 @@ def create_app(
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
             raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
         top_k = None if body.top_k == -1 else body.top_k
-        return GenerationRequest(prompt, max_tokens, temperature, body.top_p, top_k, body.seed, stop, templated)
+        return GenerationRequest(
+            prompt, max_tokens, temperature, body.top_p, top_k, body.seed, stop, templated, stream=body.stream
+        )
 
-    async def run(request: GenerationRequest, prompt_param: str) -> GenerationResult:
+    def submit(request: GenerationRequest) -> RequestHandle:
         try:
-            # cancelling this await (client gone) cancels the Future too, so a queued request is skipped
-            return await asyncio.wrap_future(worker.submit(request))
+            return worker.submit(request)
         except QueueFullError as error:
             raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
-        except PromptTooLongError as error:
-            raise APIError(400, str(error), param=prompt_param, code="context_length_exceeded") from None
-        except SpecDecodeError as error:
-            raise APIError(400, str(error)) from None
+        except ShuttingDownError as error:
+            raise APIError(503, str(error), type="server_error", code="shutting_down") from None
+
+    async def outcome(handle: RequestHandle, http: Request, prompt_param: str) -> GenerationResult:
+        """The request's result; a client that disconnects while it waits frees its place."""
+        waiter = asyncio.wrap_future(handle.future)
+        while not waiter.done():
+            await asyncio.wait([waiter], timeout=DISCONNECT_POLL_S)
+            if not waiter.done() and await http.is_disconnected():
+                handle.cancel()
+                raise APIError(499, "the client closed the request", code="client_disconnected")
+        if waiter.cancelled():
+            raise APIError(499, "the client closed the request", code="client_disconnected")
+        if waiter.exception() is not None:
+            raise _engine_error(waiter.exception(), prompt_param)
+        return waiter.result()
+
+    async def stream(
+        handle: RequestHandle,
+        prompt_param: str,
+        opening: list[BaseModel],
+        chunk: Callable[[str], BaseModel],
+        tail: Callable[[GenerationResult], list[BaseModel]],
+    ) -> StreamingResponse:
+        """Server-sent events: the opening chunks, one chunk per piece of new text, the tail
+        (finish reason, usage), then [DONE]. An error before the first text is an ordinary
+        error response; one after it is an error event, as OpenAI sends."""
+        deltas = handle.text_deltas()
+        first = await anext(deltas, None)  # waits through the queue and the prefill
+        if first is None and handle.future.exception() is not None:
+            raise _engine_error(handle.future.exception(), prompt_param)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for event in opening:
+                    yield _event(event)
+                if first is not None:
+                    yield _event(chunk(first))
+                    async for delta in deltas:
+                        yield _event(chunk(delta))
+                error = handle.future.exception()
+                if error is None:
+                    for event in tail(handle.future.result()):
+                        yield _event(event)
+                else:
+                    api_error = _engine_error(error, prompt_param)
+                    metrics.errors.labels(api_error.code or api_error.type).inc()
+                    yield f"data: {json.dumps({'error': _error_detail(api_error).model_dump()})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                handle.cancel()  # the client may have gone mid-stream; a finished request ignores it
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     app.include_router(v1)
 
@@ -220,6 +285,22 @@ def create_app(
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _BodyLimit:
+    """Refuses bodies longer than max_bytes by their Content-Length, before they are read
+    (a chunked body is not limited yet). Pure ASGI: FastAPI's @app.middleware wrapper would
+    hide client disconnects from the handlers."""
+
+    def __init__(self, app, max_bytes: int, refuse: Callable[[int], JSONResponse]):
+        self.app, self.max_bytes, self.refuse = app, max_bytes, refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        length = dict(scope.get("headers", [])).get(b"content-length", b"")
+        if scope["type"] == "http" and length.isdigit() and int(length) > self.max_bytes:
+            await self.refuse(int(length))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _chat_prompt(engine: SpeculativeEngine, messages: list[schemas.ChatMessage]) -> tuple[str, bool]:
@@ -240,28 +321,25 @@ def _usage(result: GenerationResult) -> schemas.Usage:
     return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _pieces(result: GenerationResult) -> Iterator[tuple[str, str | None]]:
-    """The finished text in word-sized pieces, the finish reason on the last one.
-
-    Streaming comes after generation for now: the pieces go out once the whole result is
-    ready. True token streaming needs the engine to yield tokens as it verifies them.
-    """
-    words = re.findall(r"\S+\s*|\s+", result.text) or [""]
-    for i, word in enumerate(words):
-        yield word, result.finish_reason if i == len(words) - 1 else None
-
-
 def _wants_usage(body: schemas._Request) -> bool:
     """A stream ends with a chunk of usage (and our stats) only when the client asks for it."""
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _sse(chunks: Iterator[BaseModel], tail: BaseModel | None) -> StreamingResponse:
-    def events() -> Iterator[str]:
-        for chunk in chunks:
-            yield f"data: {chunk.model_dump_json()}\n\n"
-        if tail is not None:
-            yield f"data: {tail.model_dump_json()}\n\n"
-        yield "data: [DONE]\n\n"
+def _event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+
+def _error_detail(error: APIError) -> schemas.ErrorDetail:
+    return schemas.ErrorDetail(message=error.message, type=error.type, param=error.param, code=error.code)
+
+
+def _engine_error(error: BaseException, prompt_param: str) -> APIError:
+    """The OpenAI-style error for what failed a request in the engine."""
+    if isinstance(error, PromptTooLongError):
+        return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
+    if isinstance(error, SpecDecodeError):
+        return APIError(400, str(error))
+    if isinstance(error, RequestTimeoutError):
+        return APIError(504, str(error), type="timeout_error", code="request_timeout")
+    return APIError(500, f"the engine failed on this request: {error!r}", type="server_error", code="engine_failure")

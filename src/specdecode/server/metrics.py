@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -30,8 +31,29 @@ class ServerMetrics:
         self.target_forwards = Counter(
             "specdecode:spec_decode_num_target_forwards", "Verification steps (target forwards).", registry=r
         )
+        self.accepted_per_position = Counter(
+            "specdecode:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft (0 = first).",
+            ["position"],
+            registry=r,
+        )
+        self.acceptance_rate = Gauge(
+            "specdecode:spec_decode_draft_acceptance_rate", "Accepted / drafted tokens so far.", registry=r
+        )
+        self.acceptance_rate.set_function(
+            lambda: _ratio(self.accepted_tokens._value.get(), self.draft_tokens._value.get())
+        )
+        self.batch_size = Histogram(
+            "specdecode:batch_size", "Sequences advanced by one engine step.", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.step_retries = Counter(
+            "specdecode:engine_step_retries", "Engine steps that failed and were tried again.", registry=r
+        )
+        self.worker_restarts = Counter(
+            "specdecode:engine_worker_restarts", "Times the engine thread died and was restarted.", registry=r
+        )
         self.requests_finished = Counter(
-            "specdecode:request_success", "Requests finished, by finish reason.", ["finished_reason"], registry=r
+            "specdecode:request_success", "Requests finished, by finish reason (abort: the client went away).", ["finished_reason"], registry=r
         )
         self.errors = Counter(
             "specdecode:request_errors", "Requests answered with an error, by kind.", ["kind"], registry=r
@@ -44,7 +66,7 @@ class ServerMetrics:
         )
         self.time_per_output_token = Histogram(
             "specdecode:time_per_output_token_seconds",
-            "Decoding seconds per generated token.",
+            "Seconds per generated token after the first.",
             buckets=_PER_TOKEN_BUCKETS,
             registry=r,
         )
@@ -54,3 +76,7 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0

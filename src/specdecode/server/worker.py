@@ -1,32 +1,63 @@
-"""One engine thread that serves queued requests one at a time (batch size 1).
+"""The engine thread: continuous batching of every request the server holds.
 
-The app only calls `submit`, which answers at once with a Future (or QueueFullError), and
-`start`/`stop`; a later scheduler that batches the speculative steps of several requests
-can replace this class behind the same three calls.
+The app calls `submit` (answers at once with a RequestHandle, or raises QueueFullError or
+ShuttingDownError), `start` and `stop`. One thread runs the engine, which is not
+thread-safe (KV caches, drafters, step costs, the tokenizer): it admits queued requests
+into free batch slots, steps the BatchDecoder, streams each request's new text to its
+handle, and completes the requests that finish.
 
-The engine is not thread-safe (its KV caches, drafters and step-cost measurements are
-shared state), so everything that touches it, tokenizing included, runs on this one thread.
+Faults. A failed step is retried with exponential backoff; if it keeps failing, each of its
+requests is tried alone and only those that still fail get the error. If the thread itself
+dies, a new one resumes every in-flight request from the tokens it had accepted (their
+caches are rebuilt); a request caught in MAX_CRASHES crashes fails, so none loops forever.
+A request still running max_request_seconds after it arrived fails with a timeout, and one
+whose client went away is dropped between steps, freeing its slot.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from specdecode.batching import BatchDecoder, BatchSequence
 from specdecode.engine import GenerationResult, SpeculativeEngine
+from specdecode.server.faults import StepHook
 from specdecode.server.metrics import ServerMetrics
+
+logger = logging.getLogger("specdecode.server")
+
+MAX_CRASHES = 3  # worker crashes a request may live through before it fails
+STEP_ATTEMPTS = 3  # tries of one engine step before its requests are tried one by one
+ADMIT_POLL_S = 0.05  # how often an idle worker looks for new requests and for stop()
 
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than the server queues; the client should retry later."""
 
 
+class ShuttingDownError(RuntimeError):
+    """The server is finishing its requests before it stops; it takes no new ones."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past the server's per-request time limit."""
+
+
+class WorkerCrashedError(RuntimeError):
+    """The engine worker crashed too often while this request was in it."""
+
+
 @dataclass
 class GenerationRequest:
-    prompt: str | list[int]  # text (encoded here) or token ids
+    prompt: str | list[int]  # text (encoded on the engine thread) or token ids
     max_tokens: int
     temperature: float = 1.0
     top_p: float | None = None
@@ -34,87 +65,249 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     templated: bool = False  # the prompt is a rendered chat template: its special tokens are in the text
+    stream: bool = False  # publish the text as it is generated
     arrival: float = field(default_factory=time.perf_counter)
 
 
-_STOP = object()  # put on the queue by stop(): the thread ends after the requests before it
+class RequestHandle:
+    """One request as the app sees it: its result (a Future), its text as it is generated
+    (text_deltas, for streams), and `cancel` for a client that went away."""
+
+    def __init__(self, request: GenerationRequest, deadline: float):
+        self.request, self.deadline = request, deadline
+        self.future: Future[GenerationResult] = Future()
+        self.cancelled = False
+        self.crashes = 0
+        self.first_token_at: float | None = None
+        self.started_at: float | None = None
+        self.streamed_chars = 0
+        self._loop = asyncio.get_running_loop() if request.stream else None
+        self._deltas: asyncio.Queue[str | None] | None = asyncio.Queue() if request.stream else None
+
+    def cancel(self) -> None:
+        self.cancelled = True  # read by the worker between steps
+
+    async def text_deltas(self) -> AsyncIterator[str]:
+        """Text as the engine accepts it; ends when the request ends (see `future` for how)."""
+        while (delta := await self._deltas.get()) is not None:
+            yield delta
+
+    def publish(self, delta: str | None) -> None:
+        """From the worker thread: more text, or None at the end."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
 
 
 class EngineWorker:
-    def __init__(self, engine: SpeculativeEngine, metrics: ServerMetrics, max_waiting: int = 64):
-        self.engine = engine
-        self.metrics = metrics
-        self.max_waiting = max_waiting
-        # unbounded, so stop() can always enqueue its marker; submit() enforces the bound
-        self._queue: queue.Queue = queue.Queue()
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        metrics: ServerMetrics,
+        max_waiting: int = 64,
+        max_batch_size: int = 16,
+        max_request_seconds: float = 600.0,
+        faults: StepHook | None = None,
+    ):
+        self.engine, self.metrics, self.faults = engine, metrics, faults
+        self.max_waiting, self.max_request_seconds = max_waiting, max_request_seconds
+        # a drafter that cannot be forked per sequence (a draft model's one cache) serves one at a time
+        self._forks = engine.drafter is None or engine.sequence_drafter() is not None
+        adaptive = getattr(engine.drafter, "k_policy", "fixed") != "fixed"
+        runner = engine.batch_runner(max_batch_size if self._forks else 1)
+        self.decoder = BatchDecoder(runner, engine.num_speculative_tokens, adaptive)
+        self._queue: queue.Queue[RequestHandle] = queue.Queue()
         self._submit_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
         metrics.requests_waiting.set_function(self._queue.qsize)
+        metrics.requests_running.set_function(lambda: len(self.decoder.active))
 
     def start(self) -> None:
+        self._thread = threading.Thread(target=self._thread_main, name="specdecode-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Finish the queued requests, then end the thread."""
-        if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join(timeout)
+    def stop(self, timeout: float = 60.0) -> None:
+        """Take no new requests; finish the running and queued ones, then end the thread."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        while self.alive and time.monotonic() < deadline:  # a crash may have replaced the thread
+            self._thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
-        future: Future[GenerationResult] = Future()
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        handle = RequestHandle(request, request.arrival + self.max_request_seconds)
         with self._submit_lock:  # check and put together, so the bound holds under concurrent submits
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down; send the request to another instance")
             if self._queue.qsize() >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
-            self._queue.put((request, future))
-        return future
+            self._queue.put(handle)
+        return handle
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not _STOP:
-            request, future = item
-            if not future.set_running_or_notify_cancel():
-                continue  # the client went away while it waited
-            self.metrics.requests_running.inc()
+    # --- the engine thread ---
+
+    def _thread_main(self) -> None:
+        try:
+            self._serve()
+        except BaseException as crash:  # noqa: BLE001 - whatever killed the loop, a new thread takes over
+            logger.error("engine worker crashed (%r); restarting it", crash)
+            self.metrics.worker_restarts.inc()
+            self._recover()
+            self.start()
+
+    def _serve(self) -> None:
+        while not (self._stopping and self._queue.empty() and not self.decoder.active):
+            self._admit()
+            self._drop_cancelled_and_late()
+            if self.decoder.active:
+                self._deliver(self._step(list(self.decoder.active)))
+
+    def _recover(self) -> None:
+        for seq in list(self.decoder.active):
+            seq.tag.crashes += 1
+            if seq.tag.crashes >= MAX_CRASHES:
+                self._fail(seq, WorkerCrashedError(f"the engine worker crashed {MAX_CRASHES} times during this request"))
+        self.decoder.reset()  # a crash may leave half-written caches: re-run every accepted token
+
+    def _admit(self) -> None:
+        wait = not self.decoder.active  # idle: block briefly for new work
+        while self.decoder.has_room:
             try:
-                result = self._generate(request)
-            except BaseException as error:  # noqa: BLE001 - handed to the request's caller, the thread goes on
-                future.set_exception(error)
-            else:
-                self._record(request, result)
-                future.set_result(result)
-            finally:
-                self.metrics.requests_running.dec()
+                handle = self._queue.get(timeout=ADMIT_POLL_S) if wait else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            wait = False
+            if handle.cancelled:
+                self._end(handle, "abort")
+                continue
+            try:
+                seq = self._sequence(handle)
+            except Exception as error:  # noqa: BLE001 - the request's fault (too long, bad ids): its error
+                handle.future.set_exception(error)
+                handle.publish(None)
+                continue
+            handle.started_at = time.perf_counter()
+            self.decoder.add(seq)
 
-    def _generate(self, request: GenerationRequest) -> GenerationResult:
+    def _sequence(self, handle: RequestHandle) -> BatchSequence:
+        request, engine = handle.request, self.engine
         prompt = request.prompt
         if request.templated:
             # the template wrote the special tokens (BOS included) already; encoding must not add more
-            prompt = self.engine.tokenizer(prompt, add_special_tokens=False).input_ids
-        prompts = [prompt] if isinstance(prompt, list) else prompt
-        return self.engine.generate(
-            prompts,
-            max_new_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=request.stop or None,
-        )[0]
+            prompt = engine.tokenizer(prompt, add_special_tokens=False).input_ids
+        prompt_ids = engine.prompt_token_ids(prompt, chat=False)
+        params, stopping, generator = engine.sampling_setup(
+            request.max_tokens, request.temperature, request.top_k, request.top_p, request.seed, request.stop or None
+        )
+        drafter = engine.sequence_drafter() if self._forks else engine.drafter
+        fixed_k = request.seed is not None and not params.greedy
+        return BatchSequence(prompt_ids, params, stopping, generator, drafter, fixed_k, tag=handle)
 
-    def _record(self, request: GenerationRequest, result: GenerationResult) -> None:
-        m, stats = self.metrics, result.stats
-        latency = time.perf_counter() - request.arrival
-        m.e2e_latency.observe(latency)
-        # results are delivered whole for now, so the first token reaches the client at the end
-        m.time_to_first_token.observe(latency)
-        if stats.generated_tokens:
-            m.time_per_output_token.observe(stats.wall_time_s / stats.generated_tokens)
+    def _drop_cancelled_and_late(self) -> None:
+        now = time.perf_counter()
+        for seq in list(self.decoder.active):
+            if seq.tag.cancelled:
+                self.decoder.remove(seq)
+                self._end(seq.tag, "abort")
+            elif now > seq.tag.deadline:
+                limit = self.max_request_seconds
+                self._fail(seq, RequestTimeoutError(f"the request ran past the server's limit of {limit:g} s"))
+
+    def _step(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, list[int]]]:
+        """One step of every sequence; if it keeps failing, each sequence alone, failing only
+        the sequences that fail alone too."""
+        self.metrics.batch_size.observe(len(sequences))
+        try:
+            return self._step_with_retries(sequences)
+        except Exception as error:  # noqa: BLE001 - find out whose step it is
+            if len(sequences) == 1:
+                self._fail(sequences[0], error)
+                return []
+        emitted = []
+        for seq in sequences:
+            try:
+                emitted += self._step_with_retries([seq])
+            except Exception as error:  # noqa: BLE001 - this request's failure, answered to it alone
+                self._fail(seq, error)
+        return emitted
+
+    def _step_with_retries(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, list[int]]]:
+        retrying = Retrying(
+            retry=retry_if_exception_type(Exception),  # not BaseException: a crash is the thread's to handle
+            stop=stop_after_attempt(STEP_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.01, max=0.5),
+            before_sleep=lambda _: self.metrics.step_retries.inc(),
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt:
+                if self.faults is not None:
+                    self.faults.before_step([seq.tag.request for seq in sequences])
+                return self.decoder.step(sequences)
+
+    def _deliver(self, emitted: list[tuple[BatchSequence, list[int]]]) -> None:
+        now = time.perf_counter()
+        for seq, tokens in emitted:
+            handle = seq.tag
+            if tokens and handle.first_token_at is None:
+                handle.first_token_at = now
+                self.metrics.time_to_first_token.observe(now - handle.request.arrival)
+            if seq.finish is not None:
+                self._complete(seq)
+            elif handle.request.stream and tokens:
+                self._publish_text(handle, self.engine.decode(seq.generated), final=False)
+
+    def _complete(self, seq: BatchSequence) -> None:
+        handle = seq.tag
+        self.decoder.remove(seq)
+        seq.stats.wall_time_s = time.perf_counter() - handle.started_at
+        result = self.engine.result(seq.prompt_ids, seq.generated, seq.finish.reason, seq.stats, seq.stopping)
+        self._record(handle, result)
+        handle.future.set_result(result)
+        if handle.request.stream:
+            self._publish_text(handle, result.text, final=True)
+        handle.publish(None)
+
+    def _publish_text(self, handle: RequestHandle, text: str, final: bool) -> None:
+        if not final:
+            text = _streamable(text, handle.request.stop)
+        if len(text) > handle.streamed_chars:
+            handle.publish(text[handle.streamed_chars :])
+            handle.streamed_chars = len(text)
+
+    def _fail(self, seq: BatchSequence, error: BaseException) -> None:
+        if seq.slot is not None:
+            self.decoder.remove(seq)
+        logger.warning("request failed: %r", error)
+        seq.tag.future.set_exception(error)
+        seq.tag.publish(None)
+
+    def _end(self, handle: RequestHandle, reason: str) -> None:
+        self.metrics.requests_finished.labels(reason).inc()
+        handle.future.cancel()
+        handle.publish(None)
+
+    def _record(self, handle: RequestHandle, result: GenerationResult) -> None:
+        m, stats, now = self.metrics, result.stats, time.perf_counter()
+        m.e2e_latency.observe(now - handle.request.arrival)
+        if len(result.token_ids) > 1:  # the tokens after the first, as vLLM counts it
+            m.time_per_output_token.observe((now - handle.first_token_at) / (len(result.token_ids) - 1))
         m.prompt_tokens.inc(len(result.prompt_token_ids))
         m.generation_tokens.inc(len(result.token_ids))
         m.draft_tokens.inc(stats.drafted_tokens)
         m.accepted_tokens.inc(stats.accepted_tokens)
         m.target_forwards.inc(stats.target_forwards)
+        for position, accepted in enumerate(stats.accepted_per_position):
+            m.accepted_per_position.labels(str(position)).inc(accepted)
         m.requests_finished.labels(result.finish_reason).inc()
+
+
+def _streamable(text: str, stop_strings: list[str]) -> str:
+    """The part of text that can go out now: not a half-decoded character (U+FFFD at the end),
+    nor an ending that may still grow into a stop string (the stop string is never sent)."""
+    text = text.rstrip("\ufffd")
+    held = max((n for s in stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text[: len(text) - held]
