@@ -13,6 +13,8 @@ import torch
 
 from specdecode.kv_cache import HFModelRunner, ModelRunner, StaticCacheRunner
 
+SLOT_CAPACITY = 256  # positions a slot's cache starts with; it doubles when a sequence needs more
+
 
 class BatchRunner:
     def __init__(self, runner: ModelRunner, num_slots: int):
@@ -49,7 +51,7 @@ class BatchRunner:
 def _with_own_cache(runner: ModelRunner) -> ModelRunner:
     slot = copy.copy(runner)  # shares the weights
     if isinstance(runner, StaticCacheRunner):
-        slot.cache = runner.cache.empty_copy()
+        slot.cache = runner.cache.empty_copy(SLOT_CAPACITY)
     elif not isinstance(runner, HFModelRunner):  # its reset() makes a new DynamicCache
         raise TypeError(f"cannot give a {type(runner).__name__} a cache of its own for batching")
     slot.reset()

@@ -246,9 +246,14 @@ def serve(
     api_key: Annotated[
         Optional[str], typer.Option(envvar="SPECDECODE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
     ] = None,
-    max_waiting: Annotated[int, typer.Option(help="Queued requests beyond the running one before 429.")] = 64,
+    max_waiting: Annotated[int, typer.Option(help="Queued requests beyond the running batch before 429.")] = 64,
+    max_batch_size: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 16,
+    max_request_seconds: Annotated[float, typer.Option(help="A request running longer fails with 504.")] = 600.0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    inject_faults: Annotated[
+        Optional[str], typer.Option(hidden=True, help="Testing: 'TRANSIENT,CRASH' step failure probabilities.")
+    ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     import uvicorn
@@ -259,13 +264,84 @@ def serve(
     with user_errors():
         if not 0 < port < 65536:
             raise InvalidArgumentError(f"--port must be in [1, 65535], got {port}")
-        if max_waiting < 1:
-            raise InvalidArgumentError(f"--max-waiting must be at least 1, got {max_waiting}")
+        for name, value in (("--max-waiting", max_waiting), ("--max-batch-size", max_batch_size)):
+            if value < 1:
+                raise InvalidArgumentError(f"{name} must be at least 1, got {value}")
+        if max_request_seconds <= 0:
+            raise InvalidArgumentError(f"--max-request-seconds must be positive, got {max_request_seconds}")
+        faults = _fault_injector(inject_faults) if inject_faults else None
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
             engine = SpeculativeEngine.from_pretrained(target, draft, drafter, k, device, dtype)
-    server_app = create_app(engine, model_name=target, api_key=api_key, max_waiting=max_waiting)
+    server_app = create_app(
+        engine, target, api_key, max_waiting, max_batch_size=max_batch_size,
+        max_request_seconds=max_request_seconds, faults=faults,
+    )
     stderr.print(f"serving {target} on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""))
     uvicorn.run(server_app, host=host, port=port, log_level="info")
+
+
+def _fault_injector(spec: str):
+    from specdecode.server.faults import RandomFaults
+
+    try:
+        transient, crash = (float(x) for x in spec.split(","))
+    except ValueError:
+        raise InvalidArgumentError(f"--inject-faults takes 'TRANSIENT,CRASH' probabilities, got '{spec}'") from None
+    return RandomFaults(transient, crash)
+
+
+@app.command()
+def loadtest(
+    url: Annotated[
+        Optional[str], typer.Option(help="A running server's base URL (http://HOST:PORT/v1); default: start one.")
+    ] = None,
+    target: Annotated[str, typer.Option(help="Model of the server started here (without --url).")] = DEFAULT_TARGET,
+    concurrency: Annotated[str, typer.Option(help="Concurrent clients per level, comma-separated.")] = "1,4,8,16",
+    requests: Annotated[int, typer.Option(help="Requests per level (the same ones at every level).")] = 32,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of each request.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (answers compared with level 1's).")] = 0.0,
+    disconnect_rate: Annotated[float, typer.Option(help="Share of clients that hang up mid-stream.")] = 0.0,
+    inject_faults: Annotated[
+        Optional[str], typer.Option(help="Server started here: 'TRANSIENT,CRASH' probabilities of failing a step.")
+    ] = None,
+    max_batch_size: Annotated[int, typer.Option(help="Server started here: requests decoded together.")] = 16,
+    prompts: Annotated[Optional[str], typer.Option(help="JSONL prompts [default: the shipped Spec-Bench subset].")] = None,
+    output: Annotated[Optional[str], typer.Option(help="Write the results as JSON to this file.")] = None,
+) -> None:
+    """Throughput and latency percentiles of an OpenAI-compatible server at several concurrency levels."""
+    from specdecode.bench.prompts import load_prompts
+    from specdecode.server.loadtest import print_level, run_loadtest, server_metrics, started_server
+
+    with user_errors():
+        levels = _positive_ints(concurrency, "--concurrency")
+        if requests < 1 or max_tokens < 1:
+            raise InvalidArgumentError("--requests and --max-tokens must be at least 1")
+        if not 0.0 <= disconnect_rate <= 1.0:
+            raise InvalidArgumentError(f"--disconnect-rate must be in [0, 1], got {disconnect_rate}")
+        if inject_faults and url:
+            raise InvalidArgumentError("--inject-faults applies to the server started here; drop --url")
+        texts = [p.text for p in load_prompts(prompts)]
+        texts = [texts[i % len(texts)] for i in range(requests)]
+        with started_server(url, target, max_batch_size, inject_faults, stderr) as (base_url, model):
+            results = run_loadtest(
+                base_url, model, texts, levels, max_tokens, temperature, disconnect_rate, on_level=print_level
+            )
+            metrics = server_metrics(base_url)
+    summary = {"levels": [r.as_dict() for r in results], "server_metrics": metrics}
+    stderr.print(f"server counters after the run: {metrics}")
+    if output:
+        with open(output, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+def _positive_ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise InvalidArgumentError(f"{name} takes comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise InvalidArgumentError(f"{name} values must be at least 1, got '{text}'")
+    return values
 
 
 def main() -> None:

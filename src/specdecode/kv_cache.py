@@ -91,10 +91,10 @@ class StaticKVCache:
         self.keys = self.values = torch.empty(self.shape, dtype=dtype, device=device)
         self._grow(min(capacity, max_length))
 
-    def empty_copy(self) -> StaticKVCache:
+    def empty_copy(self, capacity: int) -> StaticKVCache:
         """A new, empty cache of the same shape, for another sequence."""
         layers, heads, _, dim = self.shape
-        return StaticKVCache(layers, heads, dim, self.max_length, self.dtype, self.device, self.capacity)
+        return StaticKVCache(layers, heads, dim, self.max_length, self.dtype, self.device, capacity)
 
     def reserve(self, num_new: int) -> None:
         """Make room for num_new more positions."""

@@ -154,7 +154,7 @@ def create_app(
                 usage = schemas.CompletionResponse(**head, choices=[], usage=_usage(result), speculative=result.stats.to_dict())
                 return [chunk("", result.finish_reason)] + ([usage] if _wants_usage(body) else [])
 
-            return await stream(handle, "prompt", [], chunk, tail)
+            return await stream(handle, http, "prompt", [], chunk, tail)
         result = await outcome(handle, http, "prompt")
         choice = schemas.CompletionChoice(text=result.text, finish_reason=result.finish_reason)
         return schemas.CompletionResponse(**head, choices=[choice], usage=_usage(result), speculative=result.stats.to_dict())
@@ -179,7 +179,7 @@ def create_app(
                 return [chunk(None, result.finish_reason)] + ([usage] if _wants_usage(body) else [])
 
             # OpenAI opens a chat stream with the role
-            return await stream(handle, "messages", [chunk("", role="assistant")], chunk, tail)
+            return await stream(handle, http, "messages", [chunk("", role="assistant")], chunk, tail)
         result = await outcome(handle, http, "messages")
         choice = schemas.ChatChoice(message=schemas.AssistantMessage(content=result.text), finish_reason=result.finish_reason)
         return schemas.ChatCompletionResponse(
@@ -221,22 +221,31 @@ def create_app(
         except ShuttingDownError as error:
             raise APIError(503, str(error), type="server_error", code="shutting_down") from None
 
-    async def outcome(handle: RequestHandle, http: Request, prompt_param: str) -> GenerationResult:
-        """The request's result; a client that disconnects while it waits frees its place."""
-        waiter = asyncio.wrap_future(handle.future)
-        while not waiter.done():
-            await asyncio.wait([waiter], timeout=DISCONNECT_POLL_S)
-            if not waiter.done() and await http.is_disconnected():
+    async def unless_client_leaves(awaitable, handle: RequestHandle, http: Request):
+        """Await awaitable; if the client disconnects meanwhile, free the request's place and give up."""
+        task = asyncio.ensure_future(awaitable)
+        while not task.done():
+            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if not task.done() and await http.is_disconnected():
                 handle.cancel()
+                task.cancel()
                 raise APIError(499, "the client closed the request", code="client_disconnected")
-        if waiter.cancelled():
-            raise APIError(499, "the client closed the request", code="client_disconnected")
-        if waiter.exception() is not None:
-            raise _engine_error(waiter.exception(), prompt_param)
-        return waiter.result()
+        return task.result()
+
+    async def outcome(handle: RequestHandle, http: Request, prompt_param: str) -> GenerationResult:
+        waiter = asyncio.wrap_future(handle.future)
+        try:
+            return await unless_client_leaves(waiter, handle, http)
+        except asyncio.CancelledError:  # the worker dropped it: the client had gone
+            raise APIError(499, "the client closed the request", code="client_disconnected") from None
+        except APIError:
+            raise
+        except Exception as error:  # noqa: BLE001 - what failed the request in the engine
+            raise _engine_error(error, prompt_param) from None
 
     async def stream(
         handle: RequestHandle,
+        http: Request,
         prompt_param: str,
         opening: list[BaseModel],
         chunk: Callable[[str], BaseModel],
@@ -246,7 +255,7 @@ def create_app(
         (finish reason, usage), then [DONE]. An error before the first text is an ordinary
         error response; one after it is an error event, as OpenAI sends."""
         deltas = handle.text_deltas()
-        first = await anext(deltas, None)  # waits through the queue and the prefill
+        first = await unless_client_leaves(anext(deltas, None), handle, http)  # through the queue and the prefill
         if first is None and handle.future.exception() is not None:
             raise _engine_error(handle.future.exception(), prompt_param)
 

@@ -1,0 +1,48 @@
+"""`specdecode loadtest` against the real server on loopback (tiny model)."""
+
+from __future__ import annotations
+
+import httpx
+from typer.testing import CliRunner
+
+from specdecode import SpeculativeEngine
+from specdecode.cli import app as cli_app
+from specdecode.server import create_app
+from specdecode.server.faults import RandomFaults
+from specdecode.server.loadtest import run_loadtest, server_metrics
+from test_server import MODEL, metric, serving, wait_for
+
+PROMPTS = ["w1 w2 w3", "w4 w5 w4 w5", "w9 w8 w7", "w2 w2 w2 w3", "w10 w11", "w3 w1", "w5 w6 w5", "w7 w7"]
+
+
+def test_levels_report_throughput_latency_and_greedy_equality(tiny_model_dir):
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        one, four = run_loadtest(f"{url}/v1", MODEL, PROMPTS * 2, [1, 4], max_tokens=10)
+    assert one.completed == four.completed == 16 and one.failed == four.failed == 0
+    assert four.identical_to_one_at_a_time == four.compared_to_one_at_a_time == 16
+    assert four.speedup_vs_one_at_a_time > 0 and one.output_tokens == four.output_tokens > 0
+    assert 0 < four.ttft_p50_s <= four.ttft_p99_s and 0 < four.e2e_p50_s <= four.e2e_p99_s
+
+
+def test_no_request_is_lost_or_hung_under_faults_and_disconnects(tiny_model_dir):
+    """A small version of the 500-request run in the closing note."""
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    faults = RandomFaults(transient=0.05, crash=0.02, seed=4)
+    with serving(create_app(engine, model_name=MODEL, faults=faults)) as url:
+        (level,) = run_loadtest(f"{url}/v1", MODEL, PROMPTS * 8, [8], max_tokens=12, disconnect_rate=0.2, timeout_s=60)
+        assert level.completed + level.disconnected + level.failed == 64
+        assert level.disconnected > 0 and level.completed > 0
+        # failures may only be requests caught in MAX_CRASHES crashes; nothing timed out on the client
+        assert not level.errors or all("crashed" in e for e in level.errors), level.errors
+        wait_for(lambda: metric(httpx.get(f"{url}/metrics").text, "specdecode:num_requests_running") == 0)
+        counters = server_metrics(f"{url}/v1")
+    assert counters["engine_worker_restarts_total"] > 0 and counters["engine_step_retries_total"] > 0
+
+
+def test_loadtest_refuses_bad_options():
+    runner = CliRunner()
+    for args in (["--concurrency", "1,x"], ["--concurrency", "0"], ["--disconnect-rate", "2"], ["--requests", "0"],
+                 ["--url", "http://127.0.0.1:9/v1", "--inject-faults", "0.1,0"]):
+        result = runner.invoke(cli_app, ["loadtest", *args])
+        assert result.exit_code == 2 and "error" in result.output, args
