@@ -9,8 +9,9 @@ from specdecode import SpeculativeEngine
 from specdecode.adaptive import AdaptiveK, StepCosts
 from specdecode.batch_runner import BatchRunner
 from specdecode.batching import BatchDecoder, BatchSequence
-from specdecode.drafters import PromptLookupDrafter
+from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.fast_llama import FastLlamaRunner
+from specdecode.kv_cache import HFModelRunner
 from specdecode.sampling import SamplingParams
 from specdecode.stopping import StoppingCriteria
 from test_distribution import PROMPT, VOCAB, exact_joint, g_test_pvalue, target_and_draft
@@ -105,3 +106,13 @@ def test_k_falls_to_plain_batched_decoding_when_a_big_batch_makes_drafts_expensi
         policy.record_verdict(4, 1)  # the first draft token is accepted, the second never
     assert policy.choose(4, batch_size=1) > 0
     assert policy.choose(4, batch_size=8) == 0
+
+
+def test_a_draft_model_drafts_one_sequence_at_a_time_and_stays_exact():
+    """A draft model holds one cache, so its batches hold one sequence; the output is still exact."""
+    target = tiny_llama(seed=1)
+    engine = SpeculativeEngine(target, drafter=ModelDrafter(HFModelRunner(target)), num_speculative_tokens=3)
+    assert not engine.drafts_in_batches
+    results = engine.generate_batched(PROMPTS, max_new_tokens=20, max_batch_size=8)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 20) for p in PROMPTS]
+    assert sum(r.stats.accepted_tokens for r in results) > 0

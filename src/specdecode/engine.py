@@ -211,7 +211,8 @@ class SpeculativeEngine:
 
         params, stopping, _ = self.sampling_setup(max_new_tokens, temperature, top_k, top_p, seed, stop)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
-        decoder = BatchDecoder(self.batch_runner(max_batch_size), self.num_speculative_tokens)
+        batch_size = max_batch_size if self.drafts_in_batches else 1
+        decoder = BatchDecoder(self.batch_runner(batch_size), self.num_speculative_tokens)
         waiting = [
             BatchSequence(ids, params, stopping, _generator(None if seed is None else seed + i), self.sequence_drafter(),
                           fixed_k=seed is not None and not params.greedy)
@@ -258,12 +259,22 @@ class SpeculativeEngine:
             raise InvalidArgumentError(f"max_batch_size must be at least 1, got {max_batch_size}")
         return BatchRunner(self.target_runner, max_batch_size)
 
+    @property
+    def drafts_in_batches(self) -> bool:
+        """Whether each sequence of a batch can have a drafter of its own. A draft model holds
+        one cache, so with one the batch size is 1 (batching draft models is still to do)."""
+        return self.drafter is None or hasattr(self._base_drafter, "fork")
+
     def sequence_drafter(self) -> Drafter | None:
-        """A drafter of this engine's kind for one more sequence decoded alongside others, or None
-        when it cannot have one per sequence (a draft model holds one cache: batch size 1 only)."""
-        inner = self.drafter.inner if isinstance(self.drafter, AdaptiveDrafter) else self.drafter
-        fork = getattr(inner, "fork", None)
-        return fork() if fork is not None else None
+        """The drafter for one more sequence of a batch: a fork of this engine's drafter when
+        it has forks, else the drafter itself (then batches hold one sequence)."""
+        fork = getattr(self._base_drafter, "fork", None)
+        return fork() if fork is not None else self.drafter
+
+    @property
+    def _base_drafter(self) -> Drafter | None:
+        # the batch decoder chooses k for every sequence itself, so it forks the drafter inside
+        return self.drafter.inner if isinstance(self.drafter, AdaptiveDrafter) else self.drafter
 
     def _generate_one(
         self,

@@ -110,10 +110,8 @@ class EngineWorker:
     ):
         self.engine, self.metrics, self.faults = engine, metrics, faults
         self.max_waiting, self.max_request_seconds = max_waiting, max_request_seconds
-        # a drafter that cannot be forked per sequence (a draft model's one cache) serves one at a time
-        self._forks = engine.drafter is None or engine.sequence_drafter() is not None
         adaptive = getattr(engine.drafter, "k_policy", "fixed") != "fixed"
-        runner = engine.batch_runner(max_batch_size if self._forks else 1)
+        runner = engine.batch_runner(max_batch_size if engine.drafts_in_batches else 1)
         self.decoder = BatchDecoder(runner, engine.num_speculative_tokens, adaptive)
         self._queue: queue.Queue[RequestHandle] = queue.Queue()
         self._submit_lock = threading.Lock()
@@ -202,9 +200,8 @@ class EngineWorker:
         params, stopping, generator = engine.sampling_setup(
             request.max_tokens, request.temperature, request.top_k, request.top_p, request.seed, request.stop or None
         )
-        drafter = engine.sequence_drafter() if self._forks else engine.drafter
         fixed_k = request.seed is not None and not params.greedy
-        return BatchSequence(prompt_ids, params, stopping, generator, drafter, fixed_k, tag=handle)
+        return BatchSequence(prompt_ids, params, stopping, generator, engine.sequence_drafter(), fixed_k, tag=handle)
 
     def _drop_cancelled_and_late(self) -> None:
         now = time.perf_counter()
