@@ -8,7 +8,7 @@ from conftest import tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine
 from specdecode.adaptive import AdaptiveK, StepCosts
 from specdecode.batch_runner import BatchRunner
-from specdecode.batching import BatchDecoder, BatchSequence
+from specdecode.batching import BatchDecoder, BatchSequence, decode_all
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.fast_llama import FastLlamaRunner
 from specdecode.kv_cache import HFModelRunner
@@ -70,15 +70,8 @@ def test_batched_sampling_with_mixed_params_keeps_each_target_distribution():
         )
         for i in range(2 * SAMPLES)
     ]
-    done, queue = [], list(waiting)
-    while queue or decoder.active:
-        while queue and decoder.has_room:
-            decoder.add(queue.pop(0))
-        for seq, _ in decoder.step():
-            if seq.finish is not None:
-                decoder.remove(seq)
-                done.append(seq)
-    assert sum(s.stats.accepted_tokens for s in done) > 0
+    decode_all(decoder, waiting)
+    assert sum(s.stats.accepted_tokens for s in waiting) > 0
     for i, params in enumerate(MIXED):
         counts = np.zeros(VOCAB**2)
         for seq in waiting[i::2]:

@@ -144,3 +144,16 @@ class BatchDecoder:
             emitted = emitted[: max(0, len(emitted) - cut)]  # a stop string may end in an earlier step's tokens
             seq.stats.generated_tokens = len(seq.generated)
         return emitted
+
+
+def decode_all(decoder: BatchDecoder, sequences: list[BatchSequence]) -> None:
+    """Decode every sequence to its end, each joining as a slot frees up; a sequence's
+    stats.wall_time_s is the time from the start of this call to its end."""
+    waiting, start = list(sequences), time.perf_counter()
+    while waiting or decoder.active:
+        while waiting and decoder.has_room:
+            decoder.add(waiting.pop(0))
+        for seq, _ in decoder.step():
+            if seq.finish is not None:
+                decoder.remove(seq)
+                seq.stats.wall_time_s = time.perf_counter() - start

@@ -207,25 +207,18 @@ class SpeculativeEngine:
         """As `generate`, but up to max_batch_size prompts decode together (continuous batching,
         batching.py): one target forward per step verifies every sequence's draft. Each prompt
         gets its own generator, seeded seed + its index when a seed is given."""
-        from specdecode.batching import BatchDecoder, BatchSequence
+        from specdecode.batching import BatchDecoder, BatchSequence, decode_all
 
         params, stopping, _ = self.sampling_setup(max_new_tokens, temperature, top_k, top_p, seed, stop)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
         batch_size = max_batch_size if self.drafts_in_batches else 1
         decoder = BatchDecoder(self.batch_runner(batch_size), self.num_speculative_tokens)
-        waiting = [
-            BatchSequence(ids, params, stopping, _generator(None if seed is None else seed + i), self.sequence_drafter(),
-                          fixed_k=seed is not None and not params.greedy)
+        fixed_k = seed is not None and not params.greedy  # seeded samples must not depend on the batch
+        order = [
+            BatchSequence(ids, params, stopping, _generator(None if seed is None else seed + i), self.sequence_drafter(), fixed_k)
             for i, ids in enumerate(prompt_ids)
         ]
-        order, start = list(waiting), time.perf_counter()
-        while waiting or decoder.active:
-            while waiting and decoder.has_room:
-                decoder.add(waiting.pop(0))
-            for seq, _ in decoder.step():
-                if seq.finish is not None:
-                    decoder.remove(seq)
-                    seq.stats.wall_time_s = time.perf_counter() - start
+        decode_all(decoder, order)
         return [self.result(s.prompt_ids, s.generated, s.finish.reason, s.stats, stopping) for s in order]
 
     def sampling_setup(
