@@ -190,6 +190,11 @@ def test_bad_chat_requests_and_malformed_json(server, client):
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
     huge = httpx.post(url, content=b" " * (2 << 20), headers={"content-type": "application/json"})
     assert huge.status_code == 413
+    chunked = httpx.post(url, content=iter([b" " * (1 << 19)] * 4), headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "body_too_large"
+    small_chunked = iter([b'{"model": "tiny", "prompt": "w1 w2", ', b'"max_tokens": 2, "temperature": 0}'])
+    headers = {"content-type": "application/json"}
+    assert httpx.post(f"{server}/v1/completions", content=small_chunked, headers=headers).status_code == 200
     assert httpx.get(f"{server}/v1/nothing").json()["error"]["code"] == "not_found"
     with pytest.raises(openai.BadRequestError):  # the official client raises its own error type
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)

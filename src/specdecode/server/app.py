@@ -117,8 +117,9 @@ def create_app(
     async def _internal(_: Request, error: Exception) -> JSONResponse:
         return error_response(APIError(500, f"internal error: {error!r}", type="server_error", code="internal_error"))
 
-    def body_too_large(length: int) -> JSONResponse:
-        return error_response(APIError(413, f"the request body has {length} bytes; the limit is {max_body_bytes}", code="body_too_large"))
+    def body_too_large(size: str) -> JSONResponse:
+        message = f"the request body has {size}; the limit is {max_body_bytes} bytes"
+        return error_response(APIError(413, message, code="body_too_large"))
 
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes, refuse=body_too_large)
 
@@ -297,19 +298,45 @@ def create_app(
 
 
 class _BodyLimit:
-    """Refuses bodies longer than max_bytes by their Content-Length, before they are read
-    (a chunked body is not limited yet). Pure ASGI: FastAPI's @app.middleware wrapper would
-    hide client disconnects from the handlers."""
+    """Refuses bodies over max_bytes before the app reads them: by their Content-Length, or,
+    for a chunked body, by reading it here up to the limit and handing it on. Pure ASGI:
+    FastAPI's @app.middleware wrapper would hide client disconnects from the handlers."""
 
-    def __init__(self, app, max_bytes: int, refuse: Callable[[int], JSONResponse]):
+    def __init__(self, app, max_bytes: int, refuse: Callable[[str], JSONResponse]):
         self.app, self.max_bytes, self.refuse = app, max_bytes, refuse
 
     async def __call__(self, scope, receive, send) -> None:
-        length = dict(scope.get("headers", [])).get(b"content-length", b"")
-        if scope["type"] == "http" and length.isdigit() and int(length) > self.max_bytes:
-            await self.refuse(int(length))(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                await self.refuse(f"{int(length)} bytes")(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before it finished sending
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self.refuse(f"more than {self.max_bytes} bytes")(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()  # from here on: the disconnect, when it comes
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def _chat_prompt(engine: SpeculativeEngine, messages: list[schemas.ChatMessage]) -> tuple[str, bool]:

@@ -261,7 +261,12 @@ class EngineWorker:
         handle = seq.tag
         self.decoder.remove(seq)
         seq.stats.wall_time_s = time.perf_counter() - handle.started_at
-        result = self.engine.result(seq.prompt_ids, seq.generated, seq.finish.reason, seq.stats, seq.stopping)
+        try:
+            result = self.engine.result(seq.prompt_ids, seq.generated, seq.finish.reason, seq.stats, seq.stopping)
+        except Exception as error:  # noqa: BLE001 - out of the batch already: answer it here or never
+            handle.future.set_exception(error)
+            handle.publish(None)
+            return
         self._record(handle, result)
         handle.future.set_result(result)
         if handle.request.stream:
