@@ -124,6 +124,18 @@ def test_seeded_sampling_repeats(client):
     assert ask().choices[0].text == ask().choices[0].text
 
 
+def test_n_choices_are_sampled_together_each_as_it_would_be_alone(client):
+    """Choice i of a seeded request is the single request seeded seed + i, though they ran batched."""
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0)
+    response = client.completions.create(**ask, n=3, seed=7)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    alone = [client.completions.create(**ask, seed=7 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in response.choices] == alone
+    assert response.usage.completion_tokens == sum(s["generated_tokens"] for s in response.model_extra["speculative"])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, n=2)
+    assert len(chat.choices) == 2 and chat.choices[1].index == 1
+
+
 def test_concurrent_clients_get_what_they_get_alone(client, reference):
     """Greedy requests batched with each other and with sampled ones (other temperature, top_p,
     seeds) return exactly the engine's single-request output."""
@@ -158,7 +170,8 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "prompt": PROMPT, "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": PROMPT, "n": 9}, 400, "n"),
+    ({"model": MODEL, "prompt": PROMPT, "n": 2, "stream": True}, 400, "n"),
     ({"model": MODEL, "prompt": PROMPT, "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": " ".join(["w1"] * 200)}, 400, "prompt"),  # over the 128-token context
     ({"model": MODEL, "prompt": [999]}, 400, None),  # a token id outside the vocabulary

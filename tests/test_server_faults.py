@@ -14,7 +14,7 @@ import pytest
 
 from specdecode import SpeculativeEngine
 from specdecode.server import create_app
-from specdecode.server.faults import RandomFaults
+from specdecode.server.faults import RandomFaults, WorkerCrash
 from test_server import MODEL, PROMPT, metric, serving, wait_for
 
 LONG_RUNNING = "w1 w2"  # no end-of-sequence token within 100 greedy tokens of the tiny model
@@ -107,19 +107,38 @@ def test_a_request_that_always_fails_fails_alone(engine, expected):
         assert greedy(client, PROMPTS[0]) == expected[PROMPTS[0]]
 
 
+class CrashAt:
+    """A step hook that crashes the engine worker at the given step numbers."""
+
+    def __init__(self, *steps: int):
+        self.crash_steps, self.steps = set(steps), 0
+
+    def before_step(self, requests) -> None:
+        self.steps += 1
+        if self.steps in self.crash_steps:
+            raise WorkerCrash(f"injected crash at step {self.steps}")
+
+
 def test_a_crashed_worker_restarts_and_resumes_every_request(engine, expected):
-    """Crashes on a fifth of the steps: every request still gets exactly its greedy answer."""
-    with serving(create_app(engine, model_name=MODEL, faults=RandomFaults(crash=0.2, seed=3))) as url:
+    """Two crashes while eight requests run: each resumes from its accepted tokens to exactly its greedy answer."""
+    with serving(create_app(engine, model_name=MODEL, faults=CrashAt(3, 6))) as url:
         client = new_client(url)
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(lambda p: greedy(client, p), PROMPTS)) == [expected[p] for p in PROMPTS]
-        text = httpx.get(f"{url}/metrics").text
-        assert metric(text, "specdecode:engine_worker_restarts_total") > 0
+        assert metric(httpx.get(f"{url}/metrics").text, "specdecode:engine_worker_restarts_total") == 2
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_a_request_in_too_many_crashes_fails_instead_of_looping(engine, expected):
+    with serving(create_app(engine, model_name=MODEL, faults=CrashAt(1, 2, 3))) as url:
+        with pytest.raises(openai.InternalServerError, match="crashed 3 times"):
+            greedy(new_client(url), PROMPTS[0])
+        assert greedy(new_client(url), PROMPTS[1]) == expected[PROMPTS[1]]
+
+
 def test_a_request_past_the_time_limit_gets_a_clear_error(engine):
-    with serving(create_app(engine, model_name=MODEL, max_request_seconds=0.2, faults=Gate(10**9, delay=0.05))) as url:
+    # a step takes 0.5 s, so 100 tokens (at most 5 a step) cannot be done within the 0.2 s limit
+    with serving(create_app(engine, model_name=MODEL, max_request_seconds=0.2, faults=Gate(10**9, delay=0.5))) as url:
         response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": LONG_RUNNING, "max_tokens": 100}, timeout=30)
         assert response.status_code == 504 and response.json()["error"]["code"] == "request_timeout"
         assert "limit" in response.json()["error"]["message"]

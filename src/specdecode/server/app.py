@@ -37,6 +37,7 @@ from specdecode.server.worker import (
 )
 
 MAX_STOP_STRINGS = 4  # as OpenAI allows
+MAX_CHOICES = 8  # n, choices per request
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
 
 
@@ -145,9 +146,10 @@ def create_app(
         if isinstance(body.prompt, str) and not body.prompt.strip() or body.prompt == []:
             raise APIError(400, "the prompt is empty; give some text to continue", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
-        handle = submit(_generation_request(body, body.prompt, max_tokens))
+        handles = submit(_generation_requests(body, body.prompt, max_tokens))
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name)
         if body.stream:
+            (handle,) = handles
             def chunk(text: str, reason: str | None = None) -> schemas.CompletionResponse:
                 return schemas.CompletionResponse(**head, choices=[schemas.CompletionChoice(text=text, finish_reason=reason)])
 
@@ -156,9 +158,9 @@ def create_app(
                 return [chunk("", result.finish_reason)] + ([usage] if _wants_usage(body) else [])
 
             return await stream(handle, http, "prompt", [], chunk, tail)
-        result = await outcome(handle, http, "prompt")
-        choice = schemas.CompletionChoice(text=result.text, finish_reason=result.finish_reason)
-        return schemas.CompletionResponse(**head, choices=[choice], usage=_usage(result), speculative=result.stats.to_dict())
+        results = await outcomes(handles, http, "prompt")
+        choices = [schemas.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)]
+        return schemas.CompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
 
     @v1.post("/chat/completions")
     async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
@@ -168,9 +170,10 @@ def create_app(
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # no limit given: up to the end of the context, as OpenAI's chat API does
         max_tokens = max_tokens if max_tokens is not None else context_length
-        handle = submit(_generation_request(body, prompt, max_tokens, templated))
+        handles = submit(_generation_requests(body, prompt, max_tokens, templated))
         head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name)
         if body.stream:
+            (handle,) = handles
             def chunk(text: str | None, reason: str | None = None, role: str | None = None) -> schemas.ChatCompletionChunk:
                 choice = schemas.ChatChunkChoice(delta=schemas.Delta(role=role, content=text), finish_reason=reason)
                 return schemas.ChatCompletionChunk(**head, choices=[choice])
@@ -181,21 +184,25 @@ def create_app(
 
             # OpenAI opens a chat stream with the role
             return await stream(handle, http, "messages", [chunk("", role="assistant")], chunk, tail)
-        result = await outcome(handle, http, "messages")
-        choice = schemas.ChatChoice(message=schemas.AssistantMessage(content=result.text), finish_reason=result.finish_reason)
-        return schemas.ChatCompletionResponse(
-            **head, choices=[choice], usage=_usage(result), speculative=result.stats.to_dict()
-        )
+        results = await outcomes(handles, http, "messages")
+        choices = [
+            schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+            for i, r in enumerate(results)
+        ]
+        return schemas.ChatCompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
 
-    def _generation_request(
+    def _generation_requests(
         body: schemas._Request, prompt: str | list[int], max_tokens: int, templated: bool = False
-    ) -> GenerationRequest:
-        """Check the values the schema cannot (ranges, the model's name) and build the worker's request."""
+    ) -> list[GenerationRequest]:
+        """Check the values the schema cannot (ranges, the model's name); the worker's requests,
+        one per choice (n), choice i seeded seed + i when a seed is given."""
         if body.model != model_name:
             message = f"the model '{body.model}' does not exist; this server serves '{model_name}'"
             raise APIError(404, message, param="model", code="model_not_found")
-        if body.n != 1:
-            raise APIError(400, f"n must be 1 for now, got {body.n}", param="n")
+        if not 1 <= body.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
+        if body.n > 1 and body.stream:
+            raise APIError(400, "n > 1 cannot be streamed yet; ask without stream, or for n = 1", param="n")
         if not 1 <= max_tokens <= context_length:
             message = f"max_tokens must be in [1, {context_length}] (the context length), got {max_tokens}"
             raise APIError(400, message, param="max_tokens")
@@ -210,17 +217,32 @@ def create_app(
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
             raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
         top_k = None if body.top_k == -1 else body.top_k
-        return GenerationRequest(
-            prompt, max_tokens, temperature, body.top_p, top_k, body.seed, stop, templated, stream=body.stream
-        )
+        seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
+        return [
+            GenerationRequest(prompt, max_tokens, temperature, body.top_p, top_k, seed, stop, templated, stream=body.stream)
+            for seed in seeds
+        ]
 
-    def submit(request: GenerationRequest) -> RequestHandle:
+    def submit(requests: list[GenerationRequest]) -> list[RequestHandle]:
+        """Queue every choice's request, or none of them."""
+        handles = []
         try:
-            return worker.submit(request)
-        except QueueFullError as error:
-            raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
-        except ShuttingDownError as error:
+            for request in requests:
+                handles.append(worker.submit(request))
+        except (QueueFullError, ShuttingDownError) as error:
+            for handle in handles:
+                handle.cancel()
+            if isinstance(error, QueueFullError):
+                raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
             raise APIError(503, str(error), type="server_error", code="shutting_down") from None
+        return handles
+
+    async def outcomes(handles: list[RequestHandle], http: Request, prompt_param: str) -> list[GenerationResult]:
+        try:
+            return await asyncio.gather(*(outcome(h, http, prompt_param) for h in handles))
+        finally:
+            for handle in handles:  # one choice failed: the others are not wanted any more
+                handle.cancel()
 
     async def unless_client_leaves(awaitable, handle: RequestHandle, http: Request):
         """Await awaitable; if the client disconnects meanwhile, free the request's place and give up."""
@@ -352,9 +374,14 @@ def _chat_prompt(engine: SpeculativeEngine, messages: list[schemas.ChatMessage])
     return "\n".join(m.text() for m in messages), False
 
 
-def _usage(result: GenerationResult) -> schemas.Usage:
-    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+def _usage(*results: GenerationResult) -> schemas.Usage:
+    prompt, completion = len(results[0].prompt_token_ids), sum(len(r.token_ids) for r in results)
     return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _stats(results: list[GenerationResult]) -> dict | list[dict]:
+    """Our speculative stats: the request's, or one per choice when n > 1."""
+    return results[0].stats.to_dict() if len(results) == 1 else [r.stats.to_dict() for r in results]
 
 
 def _wants_usage(body: schemas._Request) -> bool:

@@ -73,7 +73,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    speculative: dict | None = None  # ours: GenerationStats.to_dict() of the request
+    speculative: dict | list[dict] | None = None  # ours: GenerationStats.to_dict() of the request (per choice if n > 1)
 
 
 class AssistantMessage(BaseModel):
@@ -94,7 +94,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    speculative: dict | None = None
+    speculative: dict | list[dict] | None = None
 
 
 class Delta(BaseModel):
