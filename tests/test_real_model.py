@@ -65,3 +65,16 @@ def test_prompt_lookup_accepts_text_copied_from_the_prompt(engine):
     assert sentence in result.text
     assert result.stats.acceptance_rate > 0.3
     assert result.stats.mean_accepted_length > 1.5
+
+
+def test_batched_greedy_output_equals_transformers_generate_on_the_real_model(engine):
+    """Continuous batching on real weights: the stacked forward must not flip a greedy choice."""
+    engine.drafter = PromptLookupDrafter()
+    prompts = PROMPTS + ["Copy this sentence exactly: the quick brown fox jumps over the lazy dog."]
+    results = engine.generate_batched(prompts, max_new_tokens=32, chat=True, max_batch_size=4)
+    model = engine.target_runner.model
+    for prompt, result in zip(prompts, results):
+        ids = engine.encode(prompt, chat=True)
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
+        assert result.token_ids == expected, prompt
