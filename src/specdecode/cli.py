@@ -23,6 +23,14 @@ app = typer.Typer(
 )
 stderr = Console(stderr=True)
 
+# options that several commands share
+TargetOption = Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")]
+DraftOption = Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")]
+DrafterOption = Annotated[str, typer.Option(help="auto, model, prompt-lookup, self-quantized, cross-tokenizer or none.")]
+KOption = Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")]
+DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
+DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+
 
 @contextmanager
 def user_errors() -> Iterator[None]:
@@ -45,12 +53,10 @@ def _quiet_transformers() -> None:
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Argument(help="The text to continue (or the user message, with --chat).")],
-    target: Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")] = DEFAULT_TARGET,
-    draft: Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")] = None,
-    drafter: Annotated[
-        str, typer.Option(help="auto, model, prompt-lookup, self-quantized, cross-tokenizer or none.")
-    ] = "auto",
-    k: Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")] = 4,
+    target: TargetOption = DEFAULT_TARGET,
+    draft: DraftOption = None,
+    drafter: DrafterOption = "auto",
+    k: KOption = 4,
     adaptive: Annotated[
         bool, typer.Option("--adaptive/--fixed-k", help="Choose k per step from measured acceptance and costs.")
     ] = True,
@@ -70,8 +76,8 @@ def generate(
     chat: Annotated[
         Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template \\[default: on if the model has one].")
     ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     trust_remote_code: Annotated[bool, typer.Option(help="Run model code from the Hub (off by default).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     compare: Annotated[bool, typer.Option(help="Also run target-only decoding and print the speedup.")] = False,
@@ -190,8 +196,8 @@ def profile(
     target: Annotated[str, typer.Option(help="Model to profile: short name, folder, .gguf file or Hub id.")] = DEFAULT_TARGET,
     draft: Annotated[Optional[str], typer.Option(help="Also profile this draft model.")] = None,
     runner: Annotated[str, typer.Option(help="auto, fast, transformers, or both (fast and transformers side by side).")] = "both",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     quantize: Annotated[Optional[str], typer.Option(help="int8: weight-only int8 layers (fast runner).")] = None,
     prefix: Annotated[int, typer.Option(help="Cached tokens before the timed forward.")] = 200,
     repeats: Annotated[int, typer.Option(help="Timed forwards per size (the median is shown).")] = 7,
@@ -235,12 +241,10 @@ def _fast_supported(model) -> bool:
 
 @app.command()
 def serve(
-    target: Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")] = DEFAULT_TARGET,
-    draft: Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")] = None,
-    drafter: Annotated[
-        str, typer.Option(help="auto, model, prompt-lookup, self-quantized, cross-tokenizer or none.")
-    ] = "auto",
-    k: Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")] = 4,
+    target: TargetOption = DEFAULT_TARGET,
+    draft: DraftOption = None,
+    drafter: DrafterOption = "auto",
+    k: KOption = 4,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[
@@ -249,8 +253,8 @@ def serve(
     max_waiting: Annotated[int, typer.Option(help="Queued requests beyond the running batch before 429.")] = 64,
     max_batch_size: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 16,
     max_request_seconds: Annotated[float, typer.Option(help="A request running longer fails with 504.")] = 600.0,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     inject_faults: Annotated[
         Optional[str], typer.Option(hidden=True, help="Testing: 'TRANSIENT,CRASH' step failure probabilities.")
     ] = None,
