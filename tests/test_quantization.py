@@ -36,3 +36,17 @@ def test_int8_runner_stays_close_to_full_precision():
 def test_int8_is_refused_where_it_does_not_run():
     with pytest.raises(ValueError, match="runs on the Llama-family fast runner"):
         runner_for(tiny_gpt2(seed=1), quantization="int8")
+
+
+def test_packed_products_equal_plain_ones_whatever_the_padding():
+    """Rows padded up to a packed size give the plain product, and a row's value does not
+    depend on the rows beside it (so a sequence gets the same numbers alone or in a batch)."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    plain, packed = projection(weight, bias, None), projection(weight, bias, None, (8, 16))
+    if not packed.packed:
+        pytest.skip("no MKL packed GEMM in this torch build")
+    x = torch.randn(20, 32)
+    for n in range(1, 21):
+        torch.testing.assert_close(packed(x[:n]), plain(x[:n]), atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed(x[:3])[0], packed(x[:8])[0])

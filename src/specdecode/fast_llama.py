@@ -20,10 +20,14 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specdecode.kv_cache import StaticCacheRunner, StaticKVCache
-from specdecode.quantization import Projection, projection
+from specdecode.quantization import Projection, mkl_packing, projection
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
+# float32 on CPU: row counts for which the weights are also kept in MKL's packed layout
+# (quantization.Projection), each a copy of the weights, made only within PACKING_BUDGET bytes
+PACKED_ROWS = (8, 16)
+PACKING_BUDGET = 4 << 30
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -66,8 +70,10 @@ class FastLlamaRunner(StaticCacheRunner):
         self.device, self.dtype = model.device, model.dtype
         self.embed = model.get_input_embeddings().weight
         self.final_norm = model.model.norm.weight
-        self.lm_head = model.get_output_embeddings().weight
-        self.layers = [_fuse(layer, quantization) for layer in model.model.layers]
+        # the output head stays in the model's dtype (int8 would cost too much accuracy here)
+        packed_rows = _packed_rows(model, quantization)
+        self.lm_head = projection(model.get_output_embeddings().weight, None, None, packed_rows)
+        self.layers = [_fuse(layer, quantization, packed_rows) for layer in model.model.layers]
         self._rotary = model.model.rotary_emb
         self.cache = self.new_cache()
         self._cos = self._sin = torch.empty(0, self.head_dim)
@@ -106,7 +112,7 @@ class FastLlamaRunner(StaticCacheRunner):
             cache.advance(n)
         ends = torch.tensor(sizes).cumsum(0).tolist()
         last = torch.cat([x[end - m : end] for end, m in zip(ends, num_logits)])  # [sum num_logits, hidden]
-        logits = F.linear(_rms_norm(last, self.final_norm, self.eps), self.lm_head)
+        logits = self.lm_head(_rms_norm(last, self.final_norm, self.eps))
         return list(logits.float().cpu().split(num_logits))
 
     def _attention(
@@ -140,17 +146,25 @@ class FastLlamaRunner(StaticCacheRunner):
         self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
 
 
-def _fuse(layer: torch.nn.Module, quantization: str | None) -> _Layer:
+def _packed_rows(model: PreTrainedModel, quantization: str | None) -> tuple[int, ...]:
+    weight = model.get_output_embeddings().weight
+    copies_bytes = len(PACKED_ROWS) * sum(p.numel() * p.element_size() for p in model.parameters())
+    if quantization is not None or not mkl_packing(weight) or copies_bytes > PACKING_BUDGET:
+        return ()
+    return PACKED_ROWS
+
+
+def _fuse(layer: torch.nn.Module, quantization: str | None, packed_rows: tuple[int, ...]) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     q_k_v = (attn.q_proj, attn.k_proj, attn.v_proj)
     qkv_bias = torch.cat([p.bias for p in q_k_v]) if attn.q_proj.bias is not None else None
     return _Layer(
         attn_norm=layer.input_layernorm.weight.detach(),
-        qkv=projection(torch.cat([p.weight for p in q_k_v]), qkv_bias, quantization),
-        o=projection(attn.o_proj.weight, None, quantization),
+        qkv=projection(torch.cat([p.weight for p in q_k_v]), qkv_bias, quantization, packed_rows),
+        o=projection(attn.o_proj.weight, None, quantization, packed_rows),
         mlp_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization),
-        down=projection(mlp.down_proj.weight, None, quantization),
+        gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization, packed_rows),
+        down=projection(mlp.down_proj.weight, None, quantization, packed_rows),
     )
 
 
