@@ -62,7 +62,7 @@ def test_batched_sampling_with_mixed_params_keeps_each_target_distribution():
     setting's first two tokens pass a G-test against the target and fail against the draft."""
     target, other = target_and_draft(tiny_llama)
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
-    decoder = BatchDecoder(engine.batch_runner(8), num_speculative_tokens=3)
+    decoder = engine.batch_decoder(8)
     waiting = [
         BatchSequence(
             PROMPT, SamplingParams(**MIXED[i % 2]), StoppingCriteria(4), torch.Generator().manual_seed(i),

@@ -207,12 +207,11 @@ class SpeculativeEngine:
         """As `generate`, but up to max_batch_size prompts decode together (continuous batching,
         batching.py): one target forward per step verifies every sequence's draft. Each prompt
         gets its own generator, seeded seed + its index when a seed is given."""
-        from specdecode.batching import BatchDecoder, BatchSequence, decode_all
+        from specdecode.batching import BatchSequence, decode_all
 
         params, stopping, _ = self.sampling_setup(max_new_tokens, temperature, top_k, top_p, seed, stop)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
-        batch_size = max_batch_size if self.drafts_in_batches else 1
-        decoder = BatchDecoder(self.batch_runner(batch_size), self.num_speculative_tokens)
+        decoder = self.batch_decoder(max_batch_size)
         fixed_k = seed is not None and not params.greedy  # seeded samples must not depend on the batch
         order = [
             BatchSequence(ids, params, stopping, _generator(None if seed is None else seed + i), self.sequence_drafter(), fixed_k)
@@ -244,13 +243,17 @@ class SpeculativeEngine:
         )
         return params, stopping, _generator(seed)
 
-    def batch_runner(self, max_batch_size: int):
-        """The target with max_batch_size slots, for BatchDecoder."""
+    def batch_decoder(self, max_batch_size: int):
+        """A BatchDecoder over this engine's target with max_batch_size slots (1 when the drafter
+        cannot be forked per sequence); k adapts when this engine's drafter is adaptive."""
         from specdecode.batch_runner import BatchRunner
+        from specdecode.batching import BatchDecoder
 
         if max_batch_size < 1:
             raise InvalidArgumentError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        return BatchRunner(self.target_runner, max_batch_size)
+        runner = BatchRunner(self.target_runner, max_batch_size if self.drafts_in_batches else 1)
+        adaptive = getattr(self.drafter, "k_policy", "fixed") != "fixed"
+        return BatchDecoder(runner, self.num_speculative_tokens, adaptive)
 
     @property
     def drafts_in_batches(self) -> bool:

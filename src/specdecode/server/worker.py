@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from specdecode.batching import BatchDecoder, BatchSequence
+from specdecode.batching import BatchSequence
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.server.faults import StepHook
 from specdecode.server.metrics import ServerMetrics
@@ -110,9 +110,7 @@ class EngineWorker:
     ):
         self.engine, self.metrics, self.faults = engine, metrics, faults
         self.max_waiting, self.max_request_seconds = max_waiting, max_request_seconds
-        adaptive = getattr(engine.drafter, "k_policy", "fixed") != "fixed"
-        runner = engine.batch_runner(max_batch_size if engine.drafts_in_batches else 1)
-        self.decoder = BatchDecoder(runner, engine.num_speculative_tokens, adaptive)
+        self.decoder = engine.batch_decoder(max_batch_size)
         self._queue: queue.Queue[RequestHandle] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._stopping = False
