@@ -8,7 +8,7 @@ from conftest import tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine
 from specdecode.adaptive import AdaptiveK, StepCosts
 from specdecode.batch_runner import BatchRunner
-from specdecode.batching import BatchDecoder, BatchSequence, decode_all
+from specdecode.batching import BatchSequence, decode_all
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.fast_llama import FastLlamaRunner
 from specdecode.kv_cache import HFModelRunner

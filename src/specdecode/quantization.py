@@ -19,11 +19,11 @@ QUANTIZATIONS = (None, "int8")
 class Projection:
     """y = x W^T + b, with W [out, in] in the model's dtype, or in int8 with per-row scales.
 
-    `packed` holds float W also in MKL's packed GEMM layout for some row counts (n): the few
-    rows of verification and batching then run much faster than through F.linear, which is
-    slow for small n on CPU (measured in benchmarks/results/profile.txt). x with n rows is
-    padded to the smallest packed size >= n; rows are computed independently, so padding
-    does not change them. One row (plain decoding) stays on F.linear.
+    `packed` holds float W also in MKL's packed GEMM layout for some row counts m: F.linear
+    is slow on CPU for 5 to 16 rows (verification, batches), and a packed product of m rows
+    costs about what F.linear costs for m / 2 (measured: benchmarks/results/profile.txt).
+    x with n rows, m / 2 + 1 < n <= m, is padded to m rows; rows are computed independently,
+    so the padding does not change them. Other n (one row: plain decoding) use F.linear.
     """
 
     weight: torch.Tensor  # [out, in]
@@ -36,7 +36,8 @@ class Projection:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
             return y if self.bias is None else y + self.bias
         n = x.shape[0]
-        rows = next((m for m in sorted(self.packed) if m >= n), None) if n > 1 else None
+        # padding more than half the rows costs more than it saves (measured: profile.txt)
+        rows = next((m for m in sorted(self.packed) if m // 2 + 1 < n <= m), None)
         if rows is None:
             return F.linear(x, self.weight, self.bias)
         padded = x if n == rows else F.pad(x, (0, 0, 0, rows - n))
