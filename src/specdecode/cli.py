@@ -260,10 +260,8 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    import uvicorn
-
     from specdecode.engine import SpeculativeEngine
-    from specdecode.server import create_app
+    from specdecode.server import create_app, run_server
 
     with user_errors():
         if not 0 < port < 65536:
@@ -278,10 +276,11 @@ def serve(
             engine = SpeculativeEngine.from_pretrained(target, draft, drafter, k, device, dtype)
     server_app = create_app(
         engine, target, api_key, max_waiting, max_batch_size=max_batch_size,
-        max_request_seconds=max_request_seconds, faults=faults,
+        max_request_seconds=max_request_seconds, faults=faults, start_worker=False,
     )
     stderr.print(f"serving {target} on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""))
-    uvicorn.run(server_app, host=host, port=port, log_level="info")
+    with user_errors():
+        run_server(server_app, host, port)
 
 
 def _fault_injector(spec: str):

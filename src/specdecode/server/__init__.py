@@ -1,5 +1,5 @@
 """An OpenAI-compatible HTTP server in front of one SpeculativeEngine (`specdecode serve`)."""
 
-from specdecode.server.app import create_app
+from specdecode.server.app import create_app, run_server
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "run_server"]

@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -65,6 +68,7 @@ def create_app(
     max_batch_size: int = 16,
     max_request_seconds: float = 600.0,
     faults: StepHook | None = None,
+    start_worker: bool = True,
 ) -> FastAPI:
     """An app serving `engine` as `model_name`; requests to /v1 need `api_key` when one is set.
 
@@ -73,6 +77,8 @@ def create_app(
     max_batch_size: requests decoded together (continuous batching, batching.py).
     max_request_seconds: a request still running this long after it arrived fails with 504.
     faults: a hook that fails engine steps on purpose (server/faults.py), for tests.
+    start_worker: False when the caller runs `app.state.worker.run()` in a thread of its own
+    (`specdecode serve` runs it in the main thread, which is faster).
     """
     metrics = ServerMetrics()
     worker = EngineWorker(engine, metrics, max_waiting, max_batch_size, max_request_seconds, faults)
@@ -81,7 +87,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        if start_worker:
+            worker.start()
         yield
         await asyncio.to_thread(worker.stop)
 
@@ -317,6 +324,28 @@ def create_app(
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Serve app until SIGINT or SIGTERM: uvicorn in a thread, the engine loop in this one
+    (the main thread: see EngineWorker.run). A signal shuts down gracefully: no new
+    requests, the ones held are finished; a second one exits at once."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
+
+    def shut_down(signum, frame) -> None:
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, shut_down)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise SpecDecodeError(f"could not serve on {host}:{port} (is the port in use?); choose another --port")
+        time.sleep(0.05)
+    app.state.worker.run()  # returns once the app's shutdown has stopped it
+    http.join()
 
 
 class _BodyLimit:
