@@ -22,7 +22,7 @@ class Projection:
     `packed` holds float W also in MKL's packed GEMM layout for some row counts m: F.linear
     is slow on CPU for 5 to 16 rows (verification, batches), and a packed product of m rows
     costs about what F.linear costs for m / 2 (measured: benchmarks/results/profile.txt).
-    x with n rows, m / 2 + 1 < n <= m, is padded to m rows; rows are computed independently,
+    x with n rows, m / 2 < n <= m, is padded to m rows; rows are computed independently,
     so the padding does not change them. Other n (one row: plain decoding) use F.linear.
     """
 
@@ -37,7 +37,7 @@ class Projection:
             return y if self.bias is None else y + self.bias
         n = x.shape[0]
         # padding more than half the rows costs more than it saves (measured: profile.txt)
-        rows = next((m for m in sorted(self.packed) if m // 2 + 1 < n <= m), None)
+        rows = next((m for m in sorted(self.packed) if m // 2 < n <= m), None)
         if rows is None:
             return F.linear(x, self.weight, self.bias)
         padded = x if n == rows else F.pad(x, (0, 0, 0, rows - n))
