@@ -1,9 +1,12 @@
 """The accept/reject rule on hand-made p and q."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specdecode.verification import verify
+from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.verification import verify, verify_greedy
 
 
 def _probs(*rows):
@@ -81,3 +84,21 @@ def test_greedy_one_hot_p_and_q_accept_exactly_while_draft_equals_argmax():
     q = torch.eye(5)[[2, 4, 0]]
     verdict = verify(torch.tensor([2, 4, 0]), q, p, torch.Generator().manual_seed(0))
     assert verdict.num_accepted == 2 and verdict.next_token == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    k=st.integers(0, 5),
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.integers(2, 12),
+    one_hot_draft=st.booleans(),
+)
+def test_the_greedy_shortcut_equals_the_rule_with_one_hot_p(k, seed, vocab, one_hot_draft):
+    """verify_greedy decides exactly what verify decides with p one-hot on the argmax, for any
+    draft and any q (ties in the logits included: small integers collide often)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 4, (k + 1, vocab), generator=g).float()
+    draft = torch.randint(0, vocab, (k,), generator=g)
+    q = None if one_hot_draft else torch.softmax(torch.randn(k, vocab, generator=g), dim=-1)
+    p = logits_to_probs(logits, SamplingParams(0.0))
+    assert verify_greedy(draft, logits) == verify(draft, q, p, torch.Generator().manual_seed(seed))

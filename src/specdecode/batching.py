@@ -25,10 +25,10 @@ import torch
 from specdecode.adaptive import AdaptiveK, StepCosts
 from specdecode.batch_runner import BatchRunner
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.sampling import SamplingParams
 from specdecode.stats import GenerationStats
 from specdecode.stopping import Stop, StoppingCriteria
-from specdecode.verification import verify
+from specdecode.verification import verify_logits
 
 
 @dataclass
@@ -126,7 +126,7 @@ class BatchDecoder:
         draft: Draft,
         logits: torch.Tensor,  # [len(draft) + 1, vocab] after the last token and each draft token
     ) -> list[int]:
-        verdict = verify(draft.tokens, draft.probs, logits_to_probs(logits, seq.params), seq.generator)
+        verdict = verify_logits(draft.tokens, draft.probs, logits, seq.params, seq.generator)
         if seq.drafter is not None:
             seq.drafter.observe(len(draft), verdict.num_accepted)
             self.policy.record_verdict(len(draft), verdict.num_accepted)

@@ -27,10 +27,10 @@ from specdecode.drafters import (
 from specdecode.errors import InvalidArgumentError, PromptTooLongError, VocabularyMismatchError
 from specdecode.kv_cache import CachedSequence, ModelRunner, runner_for
 from specdecode.models import DEFAULT_TARGET, check_same_vocabulary, load_model
-from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.sampling import SamplingParams
 from specdecode.stats import GenerationStats
 from specdecode.stopping import StoppingCriteria
-from specdecode.verification import verify
+from specdecode.verification import verify_logits
 
 DRAFTERS = ("auto", "model", "prompt-lookup", "self-quantized", "cross-tokenizer", "none")
 
@@ -86,8 +86,8 @@ def speculative_decode(
             draft = drafter.propose(tokens, min(k, room - 1), params, generator)
         start = time.perf_counter()
         # p for the position after the last token and after each draft token
-        p = logits_to_probs(target.logits(tokens + draft.tokens.tolist(), len(draft) + 1), params)
-        verdict = verify(draft.tokens, draft.probs, p, generator)
+        logits = target.logits(tokens + draft.tokens.tolist(), len(draft) + 1)
+        verdict = verify_logits(draft.tokens, draft.probs, logits, params, generator)
         if step_costs is not None and generated:
             step_costs.record(len(draft) + 1, time.perf_counter() - start)
         if drafter is not None:

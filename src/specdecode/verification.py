@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.sampling import sample
+from specdecode.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,30 @@ def _residual(
     total = residual.sum()
     # p == q up to rounding: a rejection then had probability ~0, and p itself is the right law
     return residual / total if total > 1e-12 else p
+
+
+def verify_logits(
+    draft_tokens: torch.Tensor,  # [k] int64
+    draft_probs: torch.Tensor | None,  # [k, vocab] q, or None for a one-hot drafter
+    target_logits: torch.Tensor,  # [k + 1, vocab] the target's raw logits
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """`verify` on the target's logits. At temperature 0, p is one-hot on the argmax, so the
+    rule is decided by comparing with the argmax directly: no distributions built, no draws."""
+    if params.greedy:
+        return verify_greedy(draft_tokens, target_logits)
+    return verify(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor,  # [k] int64
+    target_logits: torch.Tensor,  # [k + 1, vocab]
+) -> Verdict:
+    """Accept while the draft equals the target's argmax; then the argmax (the bonus token if
+    all were accepted). Equal to `verify` with one-hot p, whatever q was."""
+    argmax = target_logits.argmax(dim=-1)  # [k + 1], the first index on ties, as logits_to_probs
+    k = draft_tokens.shape[0]
+    mismatches = (draft_tokens != argmax[:k]).nonzero()
+    accepted = int(mismatches[0]) if mismatches.numel() else k
+    return Verdict(accepted, int(argmax[accepted]))
