@@ -118,6 +118,10 @@ class BatchDecoder:
         start = time.perf_counter()
         draft = seq.drafter.propose(seq.tokens, min(k, room - 1), seq.params, seq.generator)
         self.policy.record_draft(len(draft), time.perf_counter() - start)
+        if not len(draft):
+            # the batch's forward grows with k whether this sequence drafts or not, so for the
+            # policy a sequence that had nothing to propose (no n-gram match) gained nothing
+            self.policy.record_verdict(1, 0)
         return draft
 
     def _accept(
