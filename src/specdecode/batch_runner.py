@@ -26,11 +26,6 @@ class BatchRunner:
     def num_slots(self) -> int:
         return len(self.slots)
 
-    @property
-    def stacks_sequences(self) -> bool:
-        """Whether one forward runs every slot (so a bigger batch costs little more)."""
-        return self._forward_batch is not None
-
     def cache_length(self, slot: int) -> int:
         return self.slots[slot].cache_length
 

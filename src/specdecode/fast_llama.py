@@ -13,6 +13,7 @@ match transformers' to float rounding (tests/test_fast_llama.py states the toler
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,7 @@ class FastLlamaRunner(StaticCacheRunner):
             x = x + layer.down(F.silu(gate) * up)
         for cache, n in zip(caches, sizes):
             cache.advance(n)
-        ends = torch.tensor(sizes).cumsum(0).tolist()
+        ends = itertools.accumulate(sizes)
         last = torch.cat([x[end - m : end] for end, m in zip(ends, num_logits)])  # [sum num_logits, hidden]
         logits = self.lm_head(_rms_norm(last, self.final_norm, self.eps))
         return list(logits.float().cpu().split(num_logits))

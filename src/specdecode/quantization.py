@@ -29,7 +29,7 @@ class Projection:
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None  # [out]
     scales: torch.Tensor | None = None  # [out], only for an int8 weight
-    packed: dict[int, torch.Tensor] = field(default_factory=dict)  # rows -> W packed for them
+    packed: dict[int, torch.Tensor] = field(default_factory=dict)  # rows (ascending) -> W packed for them
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         if self.scales is not None:
@@ -37,7 +37,7 @@ class Projection:
             return y if self.bias is None else y + self.bias
         n = x.shape[0]
         # padding more than half the rows costs more than it saves (measured: profile.txt)
-        rows = next((m for m in sorted(self.packed) if m // 2 < n <= m), None)
+        rows = next((m for m in self.packed if m // 2 < n <= m), None)  # packed sizes ascend
         if rows is None:
             return F.linear(x, self.weight, self.bias)
         padded = x if n == rows else F.pad(x, (0, 0, 0, rows - n))
@@ -50,7 +50,7 @@ def projection(
     weight = weight.detach()
     bias = bias.detach() if bias is not None else None
     if quantization is None:
-        return Projection(weight, bias, packed={m: _mkl_pack(weight, m) for m in packed_rows if mkl_packing(weight)})
+        return Projection(weight, bias, packed={m: _mkl_pack(weight, m) for m in sorted(packed_rows) if mkl_packing(weight)})
     if quantization != "int8":
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
     # symmetric per-row scale: the row's largest magnitude maps to 127

@@ -115,6 +115,13 @@ class EngineWorker:
         self._submit_lock = threading.Lock()
         self._stopping = False
         self._running = threading.Event()  # the engine loop is running (in some thread)
+        self._retrying = Retrying(
+            retry=retry_if_exception_type(Exception),  # not BaseException: a crash is the loop's to handle
+            stop=stop_after_attempt(STEP_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.01, max=0.5),
+            before_sleep=lambda _: metrics.step_retries.inc(),
+            reraise=True,
+        )
         metrics.requests_waiting.set_function(self._queue.qsize)
         metrics.requests_running.set_function(lambda: len(self.decoder.active))
 
@@ -242,14 +249,7 @@ class EngineWorker:
         return emitted
 
     def _step_with_retries(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, list[int]]]:
-        retrying = Retrying(
-            retry=retry_if_exception_type(Exception),  # not BaseException: a crash is the thread's to handle
-            stop=stop_after_attempt(STEP_ATTEMPTS),
-            wait=wait_exponential(multiplier=0.01, max=0.5),
-            before_sleep=lambda _: self.metrics.step_retries.inc(),
-            reraise=True,
-        )
-        for attempt in retrying:
+        for attempt in self._retrying:
             with attempt:
                 if self.faults is not None:
                     self.faults.before_step([seq.tag.request for seq in sequences])
