@@ -9,6 +9,8 @@ import torch
 from transformers import (
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -70,6 +72,54 @@ def test_bfloat16_logits_are_close_to_transformers_bfloat16():
     for tokens, num_logits in STEPS:
         tokens = [t % 24 for t in tokens]
         torch.testing.assert_close(fast.logits(tokens, num_logits), reference.logits(tokens, num_logits), atol=2e-2, rtol=2e-2)
+
+
+def bfloat16_llama() -> FastLlamaRunner:
+    """Big enough (head_dim 16, 256-token contexts) for the batched attention kernel to round
+    1 and 6 queries differently on this CPU; small enough to run in a second."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    return FastLlamaRunner(LlamaForCausalLM(config).eval().to(torch.bfloat16))
+
+
+def verified_differs_from_alone(runner: FastLlamaRunner, n: int = 6) -> int:
+    """How many of 14 verification forwards of n tokens give logits not bitwise equal to
+    decoding their tokens one at a time."""
+    tokens = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1))
+    differ = 0
+    for start in range(10, 290, 20):
+        runner.reset()
+        runner.forward(tokens[:start], 1)
+        together = runner.forward(tokens[start : start + n], n)
+        runner.crop(start)
+        alone = torch.cat([runner.forward(tokens[start + j : start + j + 1], 1) for j in range(n)])
+        differ += not torch.equal(together, alone)
+    return differ
+
+
+def test_bfloat16_verification_gives_each_token_its_logits_decoded_alone():
+    runner = bfloat16_llama()
+    assert runner.per_query_attention  # on by default for half precision on the CPU
+    assert verified_differs_from_alone(runner) == 0
+    # negative control: the batched kernel alone does round differently, so the check has teeth
+    runner.per_query_attention = False
+    assert verified_differs_from_alone(runner) > 0
+
+
+def test_bfloat16_speculation_reproduces_bfloat16_target_only_decoding():
+    """Lossless in half precision too: the same tokens as decoding the bfloat16 target alone,
+    one sequence at a time and batched."""
+    engine = SpeculativeEngine(bfloat16_llama(), drafter=PromptLookupDrafter(), num_speculative_tokens=6)
+    prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
+    target_only = [r.token_ids for r in engine.generate(prompts, max_new_tokens=60, speculative=False)]
+    speculative = engine.generate(prompts, max_new_tokens=60)
+    assert sum(r.stats.accepted_tokens for r in speculative) > 0  # drafts were verified and kept
+    assert [r.token_ids for r in speculative] == target_only
+    batched = engine.generate_batched(prompts, max_new_tokens=60, max_batch_size=3)
+    assert [r.token_ids for r in batched] == target_only
 
 
 def test_cache_grows_past_its_initial_capacity(monkeypatch):

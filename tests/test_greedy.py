@@ -1,5 +1,7 @@
 """Temperature 0: the engine's output equals transformers' own greedy generate, token for token."""
 
+import math
+
 import pytest
 import torch
 
@@ -60,7 +62,9 @@ def test_acceptance_matches_the_drafter_quality():
     )
     stats = self_draft.generate(PROMPTS[:1], max_new_tokens=40)[0].stats
     assert stats.acceptance_rate == 1.0
-    assert stats.mean_accepted_length == 5.0  # 4 drafts + 1 bonus per target forward
+    # the first forward prefills the prompt alone and emits 1 token; each later one 4 drafts + 1 bonus
+    assert stats.target_forwards == 1 + math.ceil((40 - 1) / 5)
+    assert stats.drafted_histogram == {0: 1, 4: 7, 3: 1}  # the last draft fits the 40-token budget
     assert stats.accepted_per_position == stats.drafted_per_position
     assert random_draft.generate(PROMPTS[:1], max_new_tokens=40)[0].stats.acceptance_rate < 0.5
 

@@ -113,7 +113,8 @@ class BatchDecoder:
     def _draft(self, seq: BatchSequence, k: int) -> Draft:
         k = self.k_max if seq.fixed_k else k
         room = min(seq.stopping.max_new_tokens - len(seq.generated), self.runner.max_length - len(seq.tokens))
-        if seq.drafter is None or k == 0 or room <= 1:  # drafting past the budget would be wasted
+        prefill = len(seq.tokens) - seq.cached > 1  # runs alone, as in target-only decoding (engine.py)
+        if seq.drafter is None or k == 0 or room <= 1 or prefill:  # drafting past the budget is waste
             return Draft.empty()
         start = time.perf_counter()
         draft = seq.drafter.propose(seq.tokens, min(k, room - 1), seq.params, seq.generator)

@@ -82,7 +82,10 @@ def speculative_decode(
     while True:
         room = min(stopping.max_new_tokens - len(generated), max_length - len(tokens))
         draft = Draft.empty()
-        if k > 0 and room > 1:  # drafting past the budget would be wasted
+        # the first step prefills the prompt alone, as target-only decoding does: then the
+        # prompt's cache, and every logit after it, is computed the same way in both
+        # (FastLlamaRunner's half precision relies on it); drafting past the budget is waste
+        if k > 0 and generated and room > 1:
             draft = drafter.propose(tokens, min(k, room - 1), params, generator)
         start = time.perf_counter()
         # p for the position after the last token and after each draft token

@@ -5,7 +5,10 @@ machinery, and shaped for speculative decoding:
 - a static KV cache (kv_cache.StaticKVCache): rollback moves a length, copies nothing;
 - fused projections (q|k|v, gate|up): fewer, larger matrix products;
 - optional weight-only int8 for the layers' products (quantization.py);
-- logits only for the positions the caller asks for.
+- logits only for the positions the caller asks for;
+- in half precision on the CPU, verification attends one query at a time, so that a
+  token's logits are bitwise the same whether it is verified among others or decoded
+  alone (see FastLlamaRunner).
 
 It implements `kv_cache.ModelRunner`; `supports(model)` says when it applies. Outputs
 match transformers' to float rounding (tests/test_fast_llama.py states the tolerance).
@@ -55,7 +58,21 @@ class _Layer:
 class FastLlamaRunner(StaticCacheRunner):
     """On the model's device and dtype: one sequence in `self.cache` (forward), or several, each
     with a cache of its own (forward_batch, new_cache). quantization="int8" stores the layers'
-    products as weight-only int8 (the embedding and output head stay as they are)."""
+    products as weight-only int8 (the embedding and output head stay as they are).
+
+    Speculation is lossless only if verifying a token among k others gives the logits that
+    decoding it alone would. In float32 the two differ by float rounding (~1e-6), which
+    flips no greedy choice in our tests and benchmarks. In bfloat16 one rounding step is
+    ~1e-2, and the batched attention kernel rounds differently for 1 and for 5 queries: a
+    speculative run then drifted from target-only decoding on most benchmark prompts. The
+    matrix products of this CPU's bfloat16 kernels compute each row the same whatever the
+    row count, so with `per_query_attention` (on for half precision on the CPU) a
+    verification forward (one that wants every new token's logits) attends one query at a
+    time, exactly as a one-token forward does, and a token's logits no longer depend on
+    the tokens verified with it (tests/test_fast_runners.py checks it bitwise). Prefills
+    (one logit wanted) keep the batched kernel: one query at a time is ~10x slower for a
+    500-token prompt, and the engine prefills a prompt alone in every mode anyway.
+    """
 
     def __init__(self, model: PreTrainedModel, quantization: str | None = None):
         if not supports(model):
@@ -76,6 +93,7 @@ class FastLlamaRunner(StaticCacheRunner):
         self.lm_head = projection(model.get_output_embeddings().weight, None, None, packed_rows)
         self.layers = [_fuse(layer, quantization, packed_rows) for layer in model.model.layers]
         self._rotary = model.model.rotary_emb
+        self.per_query_attention = self.dtype != torch.float32 and self.device.type == "cpu"
         self.cache = self.new_cache()
         self._cos = self._sin = torch.empty(0, self.head_dim)
 
@@ -104,7 +122,8 @@ class FastLlamaRunner(StaticCacheRunner):
         x = F.embedding(torch.cat(token_ids).to(self.device), self.embed)  # [sum n_i, hidden]
         cos = torch.cat([self._cos[c.length : c.length + n] for c, n in zip(caches, sizes)])  # [sum n_i, head_dim]
         sin = torch.cat([self._sin[c.length : c.length + n] for c, n in zip(caches, sizes)])
-        masks = [cache.causal_mask(n) for cache, n in zip(caches, sizes)]
+        one_by_one = [self.per_query_attention and m == n for n, m in zip(sizes, num_logits)]
+        masks = [None if alone else cache.causal_mask(n) for cache, n, alone in zip(caches, sizes, one_by_one)]
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, caches, sizes, masks)
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
@@ -125,7 +144,7 @@ class FastLlamaRunner(StaticCacheRunner):
         sin: torch.Tensor,  # [sum n_i, head_dim]
         caches: list[StaticKVCache],
         sizes: list[int],  # n_i
-        masks: list[torch.Tensor | None],  # [n_i, cached_i + n_i] bool, None when n_i == 1
+        masks: list[torch.Tensor | None],  # [n_i, cached_i + n_i] bool; None: each query alone
     ) -> torch.Tensor:  # [sum n_i, hidden]
         total, d = h.shape[0], self.head_dim
         q, k, v = layer.qkv(h).split(
@@ -137,7 +156,7 @@ class FastLlamaRunner(StaticCacheRunner):
         outs = []
         for cache, q_i, k_i, v_i, mask in zip(caches, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks):
             keys, values = cache.write(index, k_i, v_i)
-            outs.append(F.scaled_dot_product_attention(q_i[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0])
+            outs.append(_attend(q_i, keys, values, mask))
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [heads, sum n_i, d]
         return layer.o(out.transpose(0, 1).reshape(total, self.num_heads * d))
 
@@ -167,6 +186,24 @@ def _fuse(layer: torch.nn.Module, quantization: str | None, packed_rows: tuple[i
         gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization, packed_rows),
         down=projection(mlp.down_proj.weight, None, quantization, packed_rows),
     )
+
+
+def _attend(
+    q: torch.Tensor,  # [heads, n, d], the new tokens' queries
+    keys: torch.Tensor,  # [kv_heads, cached + n, d]
+    values: torch.Tensor,  # [kv_heads, cached + n, d]
+    mask: torch.Tensor | None,  # [n, cached + n] bool; None: each query alone
+) -> torch.Tensor:  # [heads, n, d]
+    n = q.shape[1]
+    if mask is not None or n == 1:
+        return _sdpa(q, keys, values, mask)
+    # query j alone over the keys it may see: the very call a one-token forward makes
+    seen = keys.shape[1] - n + 1
+    return torch.cat([_sdpa(q[:, j : j + 1], keys[:, : seen + j], values[:, : seen + j], None) for j in range(n)], dim=1)
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

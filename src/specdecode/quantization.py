@@ -20,9 +20,9 @@ class Projection:
     """y = x W^T + b, with W [out, in] in the model's dtype, or in int8 with per-row scales.
 
     `packed` holds float W also in MKL's packed GEMM layout for some row counts m: F.linear
-    is slow on CPU for 5 to 16 rows (verification, batches), and a packed product of m rows
+    is slow on CPU for 4 to 16 rows (verification, batches), and a packed product of m rows
     costs about what F.linear costs for m / 2 (measured: benchmarks/results/profile.txt).
-    x with n rows, m / 2 < n <= m, is padded to m rows; rows are computed independently,
+    x with n rows, m / 2 <= n <= m, is padded to m rows; rows are computed independently,
     so the padding does not change them. Other n (one row: plain decoding) use F.linear.
     """
 
@@ -36,8 +36,8 @@ class Projection:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
             return y if self.bias is None else y + self.bias
         n = x.shape[0]
-        # padding more than half the rows costs more than it saves (measured: profile.txt)
-        rows = next((m for m in self.packed if m // 2 < n <= m), None)  # packed sizes ascend
+        # padding to more than twice the rows costs more than it saves (measured: profile.txt)
+        rows = next((m for m in self.packed if m // 2 <= n <= m), None)  # packed sizes ascend
         if rows is None:
             return F.linear(x, self.weight, self.bias)
         padded = x if n == rows else F.pad(x, (0, 0, 0, rows - n))
