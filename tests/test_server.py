@@ -237,7 +237,8 @@ def test_metrics_count_requests_tokens_and_errors(server, client):
     ]
     before = httpx.get(f"{server}/metrics").text
     assert all(name in before for name in names), before
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    # an answer that repeats its own tokens, so that prompt lookup drafts after the prefill
+    client.completions.create(model=MODEL, prompt="w2 w1 w4 w2 w1", max_tokens=12, temperature=0)
     httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
     after = httpx.get(f"{server}/metrics").text
     assert metric(after, "specdecode:generation_tokens_total") >= metric(before, "specdecode:generation_tokens_total") + 1
@@ -247,6 +248,7 @@ def test_metrics_count_requests_tokens_and_errors(server, client):
     assert metric(after, "specdecode:batch_size_count") > metric(before, "specdecode:batch_size_count")
     drafted = metric(after, "specdecode:spec_decode_num_draft_tokens_total")
     accepted = metric(after, "specdecode:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0
     assert metric(after, "specdecode:spec_decode_draft_acceptance_rate") == pytest.approx(accepted / drafted)
     per_position = re.findall(r'^specdecode:spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} (\S+)$', after, re.M)
     assert per_position and sum(map(float, per_position)) == accepted

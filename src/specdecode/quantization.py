@@ -1,8 +1,9 @@
-"""Weight-only int8: one int8 weight and one float scale per output row.
+"""The fast paths' matrix products: float weights in the layout the CPU's kernels want, or
+weight-only int8 (one int8 weight and one float scale per output row).
 
-Memory for the quantized products drops 4x (fp32) or 2x (bf16). On CPUs the product runs
-through `aten._weight_int8pack_mm`; whether that is faster than the float product depends
-on the machine, so `specdecode profile --quantize int8` measures it rather than assuming.
+int8 cuts the products' memory 4x (fp32) or 2x (bf16). On CPUs it runs through
+`aten._weight_int8pack_mm`; whether that is faster than the float product depends on the
+machine, so `specdecode profile --quantize int8` measures it rather than assuming.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 QUANTIZATIONS = (None, "int8")
+ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for; 1-500 rows measured no slower
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,15 @@ class Projection:
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None  # [out]
     scales: torch.Tensor | None = None  # [out], only for an int8 weight
+    onednn: torch.Tensor | None = None  # bfloat16 W reordered for oneDNN (CPU), see projection()
     packed: dict[int, torch.Tensor] = field(default_factory=dict)  # rows (ascending) -> W packed for them
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         if self.scales is not None:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
             return y if self.bias is None else y + self.bias
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         n = x.shape[0]
         # padding to more than twice the rows costs more than it saves (measured: profile.txt)
         rows = next((m for m in self.packed if m // 2 <= n <= m), None)  # packed sizes ascend
@@ -49,6 +54,11 @@ def projection(
 ) -> Projection:
     weight = weight.detach()
     bias = bias.detach() if bias is not None else None
+    if quantization is None and onednn_packing(weight):
+        # F.linear reorders a bfloat16 weight for oneDNN on every call; reordered once, the
+        # products of 1-16 rows run ~30% faster and give F.linear's results bit for bit
+        # (measured on this CPU: 30 layers' products of one row 24.9 -> 16.2 ms)
+        return Projection(weight, bias, onednn=torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS))
     if quantization is None:
         return Projection(weight, bias, packed={m: _mkl_pack(weight, m) for m in sorted(packed_rows) if mkl_packing(weight)})
     if quantization != "int8":
@@ -62,6 +72,11 @@ def projection(
 def mkl_packing(weight: torch.Tensor) -> bool:
     """Whether MKL's packed GEMM applies: float32 on a CPU build with MKL."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
+
+
+def onednn_packing(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 weight is kept reordered for oneDNN: on a CPU build with it."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
 def _mkl_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
