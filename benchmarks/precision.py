@@ -45,7 +45,7 @@ def variants(model):
         p.weight.numel() * p.weight.element_size() + p.scales.numel() * 4
         for layer in int8.layers
         for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-    ) + int8.lm_head.numel() * int8.lm_head.element_size()
+    ) + int8.lm_head.weight.numel() * int8.lm_head.weight.element_size()
     return [
         ("float32", runner_for(model), _bytes(model)),
         ("bfloat16", runner_for(bf16), _bytes(bf16)),
