@@ -25,10 +25,11 @@ def test_expected_tokens_is_leviathans_formula_for_constant_acceptance():
             assert math.isclose(expected_tokens([a] * k), (1 - a ** (k + 1)) / (1 - a))
 
 
-def test_step_costs_interpolate_the_measured_sizes():
-    costs = linear_costs(sizes=(1, 5))
-    assert costs.estimate(3) == pytest.approx(0.040)
-    assert costs.estimate(9) == pytest.approx(0.070)
+def test_step_costs_interpolate_the_measured_sizes_and_stay_flat_beyond():
+    costs = linear_costs(sizes=(2, 5))
+    assert costs.estimate(3) == pytest.approx(costs.seconds[2] + (costs.seconds[5] - costs.seconds[2]) / 3)
+    assert costs.estimate(9) == costs.seconds[5]  # optimistic beyond the largest size measured
+    assert costs.estimate(1) == costs.seconds[2]
     assert StepCosts().estimate(1) is None
 
 

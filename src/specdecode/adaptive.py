@@ -21,7 +21,6 @@ from specdecode.sampling import SamplingParams
 
 EMA_WEIGHT = 0.2  # weight of the newest measurement
 PRIOR_ACCEPTANCE = 0.5  # a_1 before anything was drafted: optimistic enough to try it
-PRIOR_SLOPE = 0.1  # extra cost of each verified token, as a fraction of the one measured step size
 PROBE_EVERY = (4, 64)  # target-only steps between probes: first, then doubling up to the last
 
 
@@ -60,22 +59,23 @@ class StepCosts:
         self.seconds[n] = ema(self.seconds.get(n), seconds)
 
     def estimate(self, n: int) -> float | None:
-        """Measured for n, else a line through the measured sizes; None before any step."""
+        """Measured for n, else interpolated between the measured sizes around it, else the
+        nearest measured size's cost; None before any step.
+
+        Beyond the sizes measured the guess is optimistic on purpose: forward costs rise in
+        steps, not lines (on CPU: flat from 4 to 8 tokens, then from 9 to 16, measured in
+        benchmarks/results/lookup-ceiling-float32.md), and an optimistic guess gets a larger
+        k tried and so measured, where a pessimistic one would never be corrected."""
         if n in self.seconds:
             return self.seconds[n]
         if not self.seconds:
             return None
-        sizes = sorted(self.seconds)
-        nearest = min(sizes, key=lambda m: abs(m - n))
-        slope = PRIOR_SLOPE * self.seconds[nearest] / nearest
-        if len(sizes) >= 2:
-            slope = max(0.0, _least_squares_slope(sizes, [self.seconds[m] for m in sizes]))
-        return max(1e-9, self.seconds[nearest] + slope * (n - nearest))
-
-
-def _least_squares_slope(x: list[int], y: list[float]) -> float:
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    return sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+        below = [m for m in self.seconds if m < n]
+        above = [m for m in self.seconds if m > n]
+        if not below or not above:
+            return self.seconds[max(below) if below else min(above)]
+        lo, hi = max(below), min(above)
+        return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (n - lo) / (hi - lo)
 
 
 class AdaptiveK:
@@ -83,7 +83,7 @@ class AdaptiveK:
 
     def __init__(self, step_costs: StepCosts):
         self.step_costs = step_costs
-        self.acceptance: list[float] = []  # [positions drafted so far] a_i
+        self.acceptance: list[float] = []  # [positions reached so far] a_i
         self.draft_seconds_per_token: float | None = None
         self._off_steps = 0
         self._probe_every = PROBE_EVERY[0]
@@ -95,12 +95,10 @@ class AdaptiveK:
             return max(k_max, 0)
         if self.draft_seconds_per_token is None or not self.step_costs.seconds:
             return k_max  # nothing measured yet: try the most
-        self._cover(k_max)
-
         def verify_seconds(n: int) -> float:  # a sequence's share of a forward verifying n tokens each
             return self.step_costs.estimate(batch_size * n) / batch_size
 
-        k = best_k(self.acceptance[:k_max], self.draft_seconds_per_token, verify_seconds)
+        k = best_k(self._acceptance(k_max), self.draft_seconds_per_token, verify_seconds)
         if k > 0:
             self._off_steps, self._probe_every = 0, PROBE_EVERY[0]
             return k
@@ -111,20 +109,23 @@ class AdaptiveK:
         self._off_steps, self._probe_every = 0, min(2 * self._probe_every, PROBE_EVERY[1])
         return 1
 
-    def _cover(self, positions: int) -> None:
-        # a position never drafted is assumed as good as the deepest one measured: once a run
-        # of drafts is accepted the next token usually is too (copying), so deeper k gets tried
+    def _acceptance(self, positions: int) -> list[float]:
+        # a position never reached is assumed as good as the deepest one measured, as it is
+        # now: once a run of drafts is accepted the next token usually is too (copying)
         fill = self.acceptance[-1] if self.acceptance else PRIOR_ACCEPTANCE
-        self.acceptance += [fill] * (positions - len(self.acceptance))
+        return (self.acceptance + [fill] * positions)[:positions]
 
     def record_draft(self, num_drafted: int, seconds: float) -> None:
         self.draft_seconds_per_token = ema(self.draft_seconds_per_token, seconds / max(num_drafted, 1))
 
     def record_verdict(self, num_drafted: int, num_accepted: int) -> None:
-        self._cover(num_drafted)
-        # position i was tried when every draft before it was accepted
+        # position i was tried when every draft before it was accepted (so all before it were measured)
         for i in range(min(num_accepted + 1, num_drafted)):
-            self.acceptance[i] = ema(self.acceptance[i], float(i < num_accepted))
+            accepted = float(i < num_accepted)
+            if i == len(self.acceptance):
+                self.acceptance.append(ema(self._acceptance(i + 1)[i], accepted))
+            else:
+                self.acceptance[i] = ema(self.acceptance[i], accepted)
 
 
 class AdaptiveDrafter:
