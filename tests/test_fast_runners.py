@@ -74,7 +74,7 @@ def test_bfloat16_logits_are_close_to_transformers_bfloat16():
         torch.testing.assert_close(fast.logits(tokens, num_logits), reference.logits(tokens, num_logits), atol=2e-2, rtol=2e-2)
 
 
-def bfloat16_llama() -> FastLlamaRunner:
+def half_precision_llama(dtype: torch.dtype = torch.bfloat16) -> FastLlamaRunner:
     """Big enough (head_dim 16, 256-token contexts) for the batched attention kernel to round
     1 and 6 queries differently on this CPU; small enough to run in a second."""
     torch.manual_seed(0)
@@ -82,7 +82,7 @@ def bfloat16_llama() -> FastLlamaRunner:
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
     )
-    return FastLlamaRunner(LlamaForCausalLM(config).eval().to(torch.bfloat16))
+    return FastLlamaRunner(LlamaForCausalLM(config).eval().to(dtype))
 
 
 def verified_differs_from_alone(runner: FastLlamaRunner, n: int = 6) -> int:
@@ -100,8 +100,9 @@ def verified_differs_from_alone(runner: FastLlamaRunner, n: int = 6) -> int:
     return differ
 
 
-def test_bfloat16_verification_gives_each_token_its_logits_decoded_alone():
-    runner = bfloat16_llama()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_verification_gives_each_token_its_logits_decoded_alone(dtype):
+    runner = half_precision_llama(dtype)
     assert runner.per_query_attention  # on by default for half precision on the CPU
     assert verified_differs_from_alone(runner) == 0
     # negative control: the batched kernel alone does round differently, so the check has teeth
@@ -112,7 +113,7 @@ def test_bfloat16_verification_gives_each_token_its_logits_decoded_alone():
 def test_bfloat16_speculation_reproduces_bfloat16_target_only_decoding():
     """Lossless in half precision too: the same tokens as decoding the bfloat16 target alone,
     one sequence at a time and batched."""
-    engine = SpeculativeEngine(bfloat16_llama(), drafter=PromptLookupDrafter(), num_speculative_tokens=6)
+    engine = SpeculativeEngine(half_precision_llama(), drafter=PromptLookupDrafter(), num_speculative_tokens=6)
     prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
     target_only = [r.token_ids for r in engine.generate(prompts, max_new_tokens=60, speculative=False)]
     speculative = engine.generate(prompts, max_new_tokens=60)

@@ -95,6 +95,7 @@ class AdaptiveK:
             return max(k_max, 0)
         if self.draft_seconds_per_token is None or not self.step_costs.seconds:
             return k_max  # nothing measured yet: try the most
+
         def verify_seconds(n: int) -> float:  # a sequence's share of a forward verifying n tokens each
             return self.step_costs.estimate(batch_size * n) / batch_size
 
@@ -121,11 +122,9 @@ class AdaptiveK:
     def record_verdict(self, num_drafted: int, num_accepted: int) -> None:
         # position i was tried when every draft before it was accepted (so all before it were measured)
         for i in range(min(num_accepted + 1, num_drafted)):
-            accepted = float(i < num_accepted)
-            if i == len(self.acceptance):
-                self.acceptance.append(ema(self._acceptance(i + 1)[i], accepted))
-            else:
-                self.acceptance[i] = ema(self.acceptance[i], accepted)
+            if i == len(self.acceptance):  # reached for the first time: start from its guess
+                self.acceptance.append(self._acceptance(i + 1)[i])
+            self.acceptance[i] = ema(self.acceptance[i], float(i < num_accepted))
 
 
 class AdaptiveDrafter:

@@ -11,7 +11,7 @@ machinery, and shaped for speculative decoding:
   alone (see FastLlamaRunner).
 
 It implements `kv_cache.ModelRunner`; `supports(model)` says when it applies. Outputs
-match transformers' to float rounding (tests/test_fast_llama.py states the tolerance).
+match transformers' to float rounding (tests/test_fast_runners.py states the tolerance).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class FastLlamaRunner(StaticCacheRunner):
     flips no greedy choice in our tests and benchmarks. In bfloat16 one rounding step is
     ~1e-2, and the batched attention kernel rounds differently for 1 and for 5 queries: a
     speculative run then drifted from target-only decoding on most benchmark prompts. The
-    matrix products of this CPU's bfloat16 kernels compute each row the same whatever the
-    row count, so with `per_query_attention` (on for half precision on the CPU) a
+    half-precision products (quantization.Projection, through oneDNN) compute each row the
+    same whatever the row count, so with `per_query_attention` (on for half precision on the CPU) a
     verification forward (one that wants every new token's logits) attends one query at a
     time, exactly as a one-token forward does, and a token's logits no longer depend on
     the tokens verified with it (tests/test_fast_runners.py checks it bitwise). Prefills

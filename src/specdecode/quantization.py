@@ -31,7 +31,7 @@ class Projection:
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None  # [out]
     scales: torch.Tensor | None = None  # [out], only for an int8 weight
-    onednn: torch.Tensor | None = None  # bfloat16 W reordered for oneDNN (CPU), see projection()
+    onednn: torch.Tensor | None = None  # half-precision W reordered for oneDNN (CPU), see projection()
     packed: dict[int, torch.Tensor] = field(default_factory=dict)  # rows (ascending) -> W packed for them
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
@@ -57,7 +57,10 @@ def projection(
     if quantization is None and onednn_packing(weight):
         # F.linear reorders a bfloat16 weight for oneDNN on every call; reordered once, the
         # products of 1-16 rows run ~30% faster and give F.linear's results bit for bit
-        # (measured on this CPU: 30 layers' products of one row 24.9 -> 16.2 ms)
+        # (measured on this CPU: 30 layers' products of one row 24.9 -> 16.2 ms). For float16
+        # F.linear computes a row differently with other rows beside it, the reordered
+        # product does not (what FastLlamaRunner's exact verification needs); one row costs
+        # ~10% more, 5-100 rows 10-25% less.
         return Projection(weight, bias, onednn=torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS))
     if quantization is None:
         return Projection(weight, bias, packed={m: _mkl_pack(weight, m) for m in sorted(packed_rows) if mkl_packing(weight)})
@@ -75,8 +78,8 @@ def mkl_packing(weight: torch.Tensor) -> bool:
 
 
 def onednn_packing(weight: torch.Tensor) -> bool:
-    """Whether a bfloat16 weight is kept reordered for oneDNN: on a CPU build with it."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether a half-precision weight is kept reordered for oneDNN: on a CPU build with it."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
 
 
 def _mkl_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
