@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import httpx
+from rich.console import Console
 from typer.testing import CliRunner
 
 from specdecode import SpeculativeEngine
 from specdecode.cli import app as cli_app
 from specdecode.server import create_app
 from specdecode.server.faults import RandomFaults
-from specdecode.server.loadtest import run_loadtest, server_metrics
+from specdecode.server.loadtest import run_loadtest, server_metrics, started_server
 from test_server import MODEL, metric, serving, wait_for
 from test_server_faults import CrashAt
 
@@ -57,3 +58,14 @@ def test_loadtest_refuses_bad_options():
                  ["--url", "http://127.0.0.1:9/v1", "--inject-faults", "0.1,0"]):
         result = runner.invoke(cli_app, ["loadtest", *args])
         assert result.exit_code == 2 and "error" in result.output, args
+
+
+def test_url_with_or_without_v1_and_a_clear_error_when_nothing_answers(tiny_model_dir):
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        for given in (url, f"{url}/", f"{url}/v1"):
+            with started_server(given, "unused", 1, None, Console()) as (api_base, model):
+                assert (api_base, model) == (f"{url}/v1", MODEL)
+    result = CliRunner().invoke(cli_app, ["loadtest", "--url", "http://127.0.0.1:9", "--requests", "1"])
+    assert result.exit_code == 2 and "no OpenAI-compatible server answered" in result.output
+    assert "Traceback" not in result.output

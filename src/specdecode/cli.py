@@ -296,7 +296,7 @@ def _fault_injector(spec: str):
 @app.command()
 def loadtest(
     url: Annotated[
-        Optional[str], typer.Option(help="A running server's base URL (http://HOST:PORT/v1); default: start one.")
+        Optional[str], typer.Option(help="A running server's URL (http://HOST:PORT, with or without /v1); default: start one.")
     ] = None,
     target: Annotated[str, typer.Option(help="Model of the server started here (without --url).")] = DEFAULT_TARGET,
     concurrency: Annotated[str, typer.Option(help="Concurrent clients per level, comma-separated.")] = "1,4,8,16",

@@ -26,7 +26,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import InvalidArgumentError, SpecDecodeError
 
 
 @dataclass
@@ -176,8 +176,8 @@ def started_server(
     """(base URL, model name) of the server at url, or of a `specdecode serve` started here
     (in its own process, so that clients and engine do not share an interpreter) and stopped after."""
     if url is not None:
-        models = httpx.get(f"{url.rstrip('/')}/models", timeout=30).json()["data"]
-        yield url.rstrip("/"), models[0]["id"]
+        api_base = url.rstrip("/") if url.rstrip("/").endswith("/v1") else f"{url.rstrip('/')}/v1"
+        yield api_base, _served_model(api_base)
         return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -211,6 +211,18 @@ def _wait_until_healthy(root: str, process: subprocess.Popen, log_path: str, tim
             pass
         time.sleep(0.5)
     raise SpecDecodeError(f"the server did not become healthy in {timeout_s:g} s; see {log_path}")
+
+
+def _served_model(api_base: str) -> str:
+    try:
+        response = httpx.get(f"{api_base}/models", timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
+        raise InvalidArgumentError(
+            f"no OpenAI-compatible server answered at {api_base}/models ({type(error).__name__}: {error}); "
+            "give --url as http://HOST:PORT of a running `specdecode serve`"
+        ) from error
 
 
 def server_metrics(base_url: str) -> dict[str, float]:
