@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from conftest import tiny_gpt2, tiny_llama
-from specdecode import SpeculativeEngine, fast_llama
+from specdecode import SpeculativeEngine, fast_llama, quantization
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.fast_gpt2 import FastGPT2Runner
 from specdecode.fast_llama import FastLlamaRunner
@@ -74,13 +74,14 @@ def test_bfloat16_logits_are_close_to_transformers_bfloat16():
         torch.testing.assert_close(fast.logits(tokens, num_logits), reference.logits(tokens, num_logits), atol=2e-2, rtol=2e-2)
 
 
-def half_precision_llama(dtype: torch.dtype = torch.bfloat16) -> FastLlamaRunner:
+def half_precision_llama(dtype: torch.dtype = torch.bfloat16, hidden: int = 64, heads: int = 4) -> FastLlamaRunner:
     """Big enough (head_dim 16, 256-token contexts) for the batched attention kernel to round
     1 and 6 queries differently on this CPU; small enough to run in a second."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=512,
+        tie_word_embeddings=False,
     )
     return FastLlamaRunner(LlamaForCausalLM(config).eval().to(dtype))
 
@@ -108,6 +109,37 @@ def test_half_precision_verification_gives_each_token_its_logits_decoded_alone(d
     # negative control: the batched kernel alone does round differently, so the check has teeth
     runner.per_query_attention = False
     assert verified_differs_from_alone(runner) > 0
+
+
+def batched_differs_from_alone(runner: FastLlamaRunner) -> int:
+    """How many logits rows of 4 sequences, prefilled together (58 stacked rows) and then
+    verifying 5 tokens each together, differ bitwise from those sequences run alone."""
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, 256, (n,), generator=generator) for n in (30, 12, 21, 10)]
+
+    def run(group: list[torch.Tensor]) -> list[torch.Tensor]:
+        caches = [runner.new_cache() for _ in group]
+        prefills = runner.forward_batch(caches, [s[:-5] for s in group], [1] * len(group))
+        verifications = runner.forward_batch(caches, [s[-5:] for s in group], [5] * len(group))
+        return [torch.cat(pair) for pair in zip(prefills, verifications)]
+
+    alone = [run([s])[0] for s in sequences]
+    together = run(sequences)
+    return sum(int((a != b).any(dim=-1).sum()) for a, b in zip(alone, together))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_batches_give_each_sequence_its_logits_alone(dtype):
+    """What makes batched serving answer as one request at a time does. SmolLM2's width:
+    narrower products keep their rows apart even past 32 rows, so the control below could
+    not fail."""
+    assert batched_differs_from_alone(half_precision_llama(dtype, hidden=576, heads=8)) == 0
+
+
+def test_bfloat16_products_of_more_than_32_rows_would_tie_a_sequence_to_its_batch(monkeypatch):
+    """Negative control of the test above: without the 32-row chunks, rows do differ."""
+    monkeypatch.setattr(quantization, "ONEDNN_INVARIANT_ROWS", 1 << 20)
+    assert batched_differs_from_alone(half_precision_llama(torch.bfloat16, hidden=576, heads=8)) > 0
 
 
 def test_bfloat16_speculation_reproduces_bfloat16_target_only_decoding():

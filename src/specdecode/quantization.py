@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 QUANTIZATIONS = (None, "int8")
 ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for; 1-500 rows measured no slower
+ONEDNN_INVARIANT_ROWS = 32  # most rows per oneDNN product whose results do not depend on each other
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class Projection:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
             return y if self.bias is None else y + self.bias
         if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+            # oneDNN computes a row the same whatever rows share its product up to 32 rows,
+            # not beyond (measured): in chunks of 32 a row never depends on its batch
+            return torch.cat([self._onednn(chunk) for chunk in x.split(ONEDNN_INVARIANT_ROWS)])
         n = x.shape[0]
         # padding to more than twice the rows costs more than it saves (measured: profile.txt)
         rows = next((m for m in self.packed if m // 2 <= n <= m), None)  # packed sizes ascend
@@ -47,6 +50,10 @@ class Projection:
             return F.linear(x, self.weight, self.bias)
         padded = x if n == rows else F.pad(x, (0, 0, 0, rows - n))
         return torch.ops.mkl._mkl_linear(padded, self.packed[rows], self.weight, self.bias, rows)[:n]
+
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
 
 
 def projection(
