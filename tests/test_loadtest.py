@@ -55,7 +55,8 @@ def test_no_request_is_lost_or_hung_under_faults_and_disconnects(tiny_model_dir)
 def test_loadtest_refuses_bad_options():
     runner = CliRunner()
     for args in (["--concurrency", "1,x"], ["--concurrency", "0"], ["--disconnect-rate", "2"], ["--requests", "0"],
-                 ["--url", "http://127.0.0.1:9/v1", "--inject-faults", "0.1,0"]):
+                 ["--url", "http://127.0.0.1:9/v1", "--inject-faults", "0.1,0"],
+                 ["--url", "http://127.0.0.1:9/v1", "--dtype", "bfloat16"], ["--dtype", "fp8"]):
         result = runner.invoke(cli_app, ["loadtest", *args])
         assert result.exit_code == 2 and "error" in result.output, args
 

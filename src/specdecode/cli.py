@@ -30,6 +30,7 @@ DrafterOption = Annotated[str, typer.Option(help="auto, model, prompt-lookup, se
 KOption = Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
 DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @contextmanager
@@ -308,6 +309,7 @@ def loadtest(
         Optional[str], typer.Option(help="Server started here: 'TRANSIENT,CRASH' probabilities of failing a step.")
     ] = None,
     max_batch_size: Annotated[int, typer.Option(help="Server started here: requests decoded together.")] = 16,
+    dtype: Annotated[str, typer.Option(help="Server started here: auto, float32, bfloat16 or float16.")] = "auto",
     prompts: Annotated[Optional[str], typer.Option(help="JSONL prompts [default: the shipped Spec-Bench subset].")] = None,
     output: Annotated[Optional[str], typer.Option(help="Write the results as JSON to this file.")] = None,
 ) -> None:
@@ -321,11 +323,13 @@ def loadtest(
             raise InvalidArgumentError("--requests and --max-tokens must be at least 1")
         if not 0.0 <= disconnect_rate <= 1.0:
             raise InvalidArgumentError(f"--disconnect-rate must be in [0, 1], got {disconnect_rate}")
-        if inject_faults and url:
-            raise InvalidArgumentError("--inject-faults applies to the server started here; drop --url")
+        if url and (inject_faults or dtype != "auto"):
+            raise InvalidArgumentError("--inject-faults and --dtype apply to the server started here; drop --url")
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"unknown --dtype '{dtype}'; use {', '.join(DTYPES)}")
         texts = [p.text for p in load_prompts(prompts)]
         texts = [texts[i % len(texts)] for i in range(requests)]
-        with started_server(url, target, max_batch_size, inject_faults, stderr) as (base_url, model):
+        with started_server(url, target, max_batch_size, inject_faults, stderr, dtype) as (base_url, model):
             results = run_loadtest(
                 base_url, model, texts, levels, max_tokens, temperature, disconnect_rate, on_level=print_level
             )

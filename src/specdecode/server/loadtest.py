@@ -171,7 +171,7 @@ def run_loadtest(
 
 @contextmanager
 def started_server(
-    url: str | None, target: str, max_batch_size: int, inject_faults: str | None, console: Console
+    url: str | None, target: str, max_batch_size: int, inject_faults: str | None, console: Console, dtype: str = "auto"
 ) -> Iterator[tuple[str, str]]:
     """(base URL, model name) of the server at url, or of a `specdecode serve` started here
     (in its own process, so that clients and engine do not share an interpreter) and stopped after."""
@@ -183,7 +183,7 @@ def started_server(
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "specdecode.cli", "serve", "--target", target, "--port", str(port),
-               "--max-batch-size", str(max_batch_size)] + (["--inject-faults", inject_faults] if inject_faults else [])
+               "--max-batch-size", str(max_batch_size), "--dtype", dtype] + (["--inject-faults", inject_faults] if inject_faults else [])
     log = tempfile.NamedTemporaryFile("w+", prefix="specdecode-serve-", suffix=".log", delete=False)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
