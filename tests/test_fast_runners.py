@@ -7,6 +7,8 @@ bitwise equal on this CPU: the same products in the same order); bfloat16 within
 import pytest
 import torch
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
@@ -101,9 +103,16 @@ def verified_differs_from_alone(runner: FastLlamaRunner, n: int = 6) -> int:
     return differ
 
 
+def half_precision_gpt2(dtype: torch.dtype) -> FastGPT2Runner:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512, eos_token_id=None, bos_token_id=None)
+    return FastGPT2Runner(GPT2LMHeadModel(config).eval().to(dtype))
+
+
+@pytest.mark.parametrize("make", [half_precision_llama, half_precision_gpt2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_verification_gives_each_token_its_logits_decoded_alone(dtype):
-    runner = half_precision_llama(dtype)
+def test_half_precision_verification_gives_each_token_its_logits_decoded_alone(make, dtype):
+    runner = make(dtype)
     assert runner.per_query_attention  # on by default for half precision on the CPU
     assert verified_differs_from_alone(runner) == 0
     # negative control: the batched kernel alone does round differently, so the check has teeth

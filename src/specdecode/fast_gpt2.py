@@ -1,8 +1,10 @@
 """A lean forward pass for GPT-2 models (gpt2, distilgpt2, gpt2-medium, ...).
 
 The GPT-2 counterpart of fast_llama.py: transformers' weights and arithmetic, a static KV
-cache with in-place rollback, logits only where asked. GPT-2 stores its projections as
-Conv1D, [in, out], so each product is one `addmm` with the bias fused in.
+cache with in-place rollback, logits only where asked, and in half precision on the CPU
+exact verification (one query at a time, attention.py; oneDNN products, quantization.py).
+GPT-2 stores its projections as Conv1D, [in, out]; a Projection of the transposed view
+runs the same `addmm` with the bias fused in.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from specdecode.attention import attend, per_query_by_default
 from specdecode.kv_cache import StaticCacheRunner, StaticKVCache
+from specdecode.quantization import Projection, projection
 
 INITIAL_CAPACITY = 1024
 
@@ -30,11 +34,11 @@ def supports(model: PreTrainedModel) -> bool:
 @dataclass
 class _Block:
     ln_1: tuple[torch.Tensor, torch.Tensor]  # weight, bias [hidden]
-    c_attn: tuple[torch.Tensor, torch.Tensor]  # [hidden, 3 * hidden], [3 * hidden]
-    attn_proj: tuple[torch.Tensor, torch.Tensor]  # [hidden, hidden], [hidden]
+    c_attn: Projection  # hidden -> 3 * hidden
+    attn_proj: Projection  # hidden -> hidden
     ln_2: tuple[torch.Tensor, torch.Tensor]
-    c_fc: tuple[torch.Tensor, torch.Tensor]  # [hidden, inner], [inner]
-    mlp_proj: tuple[torch.Tensor, torch.Tensor]  # [inner, hidden], [hidden]
+    c_fc: Projection  # hidden -> inner
+    mlp_proj: Projection  # inner -> hidden
     scale: float  # attention scaling, per layer when scale_attn_by_inverse_layer_idx
 
 
@@ -54,9 +58,10 @@ class FastGPT2Runner(StaticCacheRunner):
         self.device, self.dtype = model.device, model.dtype
         self.wte, self.wpe = transformer.wte.weight, transformer.wpe.weight
         self.ln_f = (transformer.ln_f.weight, transformer.ln_f.bias)
-        self.lm_head = model.get_output_embeddings().weight
+        self.lm_head = projection(model.get_output_embeddings().weight, None, None)
         self.act = transformer.h[0].mlp.act  # transformers' own activation (gelu_new for GPT-2)
         self.blocks = [_block(block) for block in transformer.h]
+        self.per_query_attention = per_query_by_default(self.dtype, self.device)
         self.cache = StaticKVCache(
             len(self.blocks), self.num_heads, self.head_dim, self.max_length, self.dtype, self.device, INITIAL_CAPACITY
         )
@@ -67,41 +72,42 @@ class FastGPT2Runner(StaticCacheRunner):
         self.cache.reserve(n)
         positions = torch.arange(start, start + n, device=self.device)
         x = F.embedding(token_ids.to(self.device), self.wte) + F.embedding(positions, self.wpe)  # [n, hidden]
-        mask = self.cache.causal_mask(n)
+        # verification (every new token's logits wanted) in half precision: each query alone
+        mask = None if self.per_query_attention and num_logits == n else self.cache.causal_mask(n)
         for i, block in enumerate(self.blocks):
             x = x + self._attention(i, block, F.layer_norm(x, x.shape[-1:], *block.ln_1, self.eps), mask)
-            h = self.act(torch.addmm(block.c_fc[1], F.layer_norm(x, x.shape[-1:], *block.ln_2, self.eps), block.c_fc[0]))
-            x = x + torch.addmm(block.mlp_proj[1], h, block.mlp_proj[0])
+            x = x + block.mlp_proj(self.act(block.c_fc(F.layer_norm(x, x.shape[-1:], *block.ln_2, self.eps))))
         self.cache.advance(n)
         x = F.layer_norm(x[-num_logits:], x.shape[-1:], *self.ln_f, self.eps)
-        return F.linear(x, self.lm_head).float().cpu()  # [num_logits, vocab]
+        return self.lm_head(x).float().cpu()  # [num_logits, vocab]
 
     def _attention(
         self,
         index: int,
         block: _Block,
         h: torch.Tensor,  # [n, hidden]
-        mask: torch.Tensor | None,  # [n, cached + n] bool, None when n == 1
+        mask: torch.Tensor | None,  # [n, cached + n] bool; None: each query alone
     ) -> torch.Tensor:  # [n, hidden]
         n, hidden = h.shape
-        q, k, v = (
-            torch.addmm(block.c_attn[1], h, block.c_attn[0]).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        )  # each [heads, n, head_dim]
+        q, k, v = block.c_attn(h).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # each [heads, n, head_dim]
         keys, values = self.cache.write(index, k, v)
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=block.scale)
-        return torch.addmm(block.attn_proj[1], out[0].transpose(0, 1).reshape(n, hidden), block.attn_proj[0])
+        out = attend(q, keys, values, mask, block.scale)  # [heads, n, head_dim]
+        return block.attn_proj(out.transpose(0, 1).reshape(n, hidden))
 
 
 def _block(block: torch.nn.Module) -> _Block:
     def pair(module):
         return module.weight.detach(), module.bias.detach()
 
+    def conv1d(module):  # Conv1D holds W as [in, out]
+        return projection(module.weight.t(), module.bias, None)
+
     return _Block(
         ln_1=pair(block.ln_1),
-        c_attn=pair(block.attn.c_attn),
-        attn_proj=pair(block.attn.c_proj),
+        c_attn=conv1d(block.attn.c_attn),
+        attn_proj=conv1d(block.attn.c_proj),
         ln_2=pair(block.ln_2),
-        c_fc=pair(block.mlp.c_fc),
-        mlp_proj=pair(block.mlp.c_proj),
+        c_fc=conv1d(block.mlp.c_fc),
+        mlp_proj=conv1d(block.mlp.c_proj),
         scale=block.attn.scaling,
     )

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from specdecode.attention import attend, per_query_by_default
 from specdecode.kv_cache import StaticCacheRunner, StaticKVCache
 from specdecode.quantization import Projection, mkl_packing, projection
 
@@ -93,7 +94,7 @@ class FastLlamaRunner(StaticCacheRunner):
         self.lm_head = projection(model.get_output_embeddings().weight, None, None, packed_rows)
         self.layers = [_fuse(layer, quantization, packed_rows) for layer in model.model.layers]
         self._rotary = model.model.rotary_emb
-        self.per_query_attention = self.dtype != torch.float32 and self.device.type == "cpu"
+        self.per_query_attention = per_query_by_default(self.dtype, self.device)
         self.cache = self.new_cache()
         self._cos = self._sin = torch.empty(0, self.head_dim)
 
@@ -156,7 +157,7 @@ class FastLlamaRunner(StaticCacheRunner):
         outs = []
         for cache, q_i, k_i, v_i, mask in zip(caches, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks):
             keys, values = cache.write(index, k_i, v_i)
-            outs.append(_attend(q_i, keys, values, mask))
+            outs.append(attend(q_i, keys, values, mask))
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [heads, sum n_i, d]
         return layer.o(out.transpose(0, 1).reshape(total, self.num_heads * d))
 
@@ -186,24 +187,6 @@ def _fuse(layer: torch.nn.Module, quantization: str | None, packed_rows: tuple[i
         gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization, packed_rows),
         down=projection(mlp.down_proj.weight, None, quantization, packed_rows),
     )
-
-
-def _attend(
-    q: torch.Tensor,  # [heads, n, d], the new tokens' queries
-    keys: torch.Tensor,  # [kv_heads, cached + n, d]
-    values: torch.Tensor,  # [kv_heads, cached + n, d]
-    mask: torch.Tensor | None,  # [n, cached + n] bool; None: each query alone
-) -> torch.Tensor:  # [heads, n, d]
-    n = q.shape[1]
-    if mask is not None or n == 1:
-        return _sdpa(q, keys, values, mask)
-    # query j alone over the keys it may see: the very call a one-token forward makes
-    seen = keys.shape[1] - n + 1
-    return torch.cat([_sdpa(q[:, j : j + 1], keys[:, : seen + j], values[:, : seen + j], None) for j in range(n)], dim=1)
-
-
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""Attention over a sequence's cache for the fast paths, one query at a time when asked.
+
+A verification forward must give each token the logits a one-token forward would, or
+speculation is not lossless. The batched attention kernel rounds a query differently when
+other queries share the call (in half precision, enough to flip greedy choices), so the
+fast paths pass no mask to mean "each query alone": query j then runs the very call a
+one-token forward makes for it (see FastLlamaRunner).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(
+    q: torch.Tensor,  # [heads, n, d], the new tokens' queries
+    keys: torch.Tensor,  # [kv_heads, cached + n, d]
+    values: torch.Tensor,  # [kv_heads, cached + n, d]
+    mask: torch.Tensor | None,  # [n, cached + n] bool; None: each query alone
+    scale: float | None = None,  # None: 1 / sqrt(d)
+) -> torch.Tensor:  # [heads, n, d]
+    n = q.shape[1]
+    if mask is not None or n == 1:
+        return _sdpa(q, keys, values, mask, scale)
+    # query j alone over the keys it may see: the very call a one-token forward makes
+    seen = keys.shape[1] - n + 1
+    return torch.cat(
+        [_sdpa(q[:, j : j + 1], keys[:, : seen + j], values[:, : seen + j], None, scale) for j in range(n)], dim=1
+    )
+
+
+def per_query_by_default(dtype: torch.dtype, device: torch.device) -> bool:
+    """Half precision on the CPU: where one query at a time makes verification exact (tested)."""
+    return dtype != torch.float32 and device.type == "cpu"
+
+
+def _sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q[None], keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != keys.shape[0]
+    )[0]
