@@ -18,11 +18,11 @@ import copy
 import platform
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from transformers import LlamaForCausalLM
 
+from report import emit
 from specdecode import SpeculativeEngine
 from specdecode.adaptive import AdaptiveDrafter
 from specdecode.drafters import AutoDrafter, CrossTokenizerDrafter, ModelDrafter, PromptLookupDrafter
@@ -119,10 +119,7 @@ def main() -> None:
                 _add(totals[name, kind], result, seconds, baseline_s, result.token_ids == first.token_ids)
             print(f"{kind:10s} {baseline_s:5.2f} s target-only | " + " | ".join(
                 f"{name.split(',')[0]} {baseline_s / s:.2f}x" for name, (_, s) in runs.items()), flush=True)
-    table = _table(totals, list(views), args)
-    print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(table + "\n")
+    emit(_table(totals, list(views), args), args.out)
 
 
 def _add(sums: dict, result, seconds: float, baseline_s: float, identical: bool) -> None:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from report import emit
 from specdecode import SpeculativeEngine
 from specdecode.fast_gpt2 import FastGPT2Runner
 from specdecode.models import resolve_dtype
@@ -82,10 +82,7 @@ def main() -> None:
             f"| {same}/{args.new_tokens} |"
         )
         print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

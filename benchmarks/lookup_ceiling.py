@@ -14,11 +14,11 @@ so it bounds what prompt lookup can reach on these answers whatever the hardware
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
 from drafters import PROMPTS
+from report import emit
 from specdecode import SpeculativeEngine
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.profiling import measure_hardware, median_seconds, profile_forward
@@ -74,10 +74,7 @@ def main() -> None:
             free = sum(p + len(s) * costs[1] for (_, _, p), s in zip(answers, steps))
             tokens = sum(len(a) for _, a, _ in answers) / sum(len(s) for s in steps)
             lines.append(f"| {kind} | {k} | {tokens:.2f} | {target_only / measured:.2f}x | {target_only / free:.2f}x |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
