@@ -66,11 +66,12 @@ class FastLlamaRunner(StaticCacheRunner):
     flips no greedy choice in our tests and benchmarks. In bfloat16 one rounding step is
     ~1e-2, and the batched attention kernel rounds differently for 1 and for 5 queries: a
     speculative run then drifted from target-only decoding on most benchmark prompts. The
-    half-precision products (quantization.Projection, through oneDNN) compute each row the
-    same whatever the row count, so with `per_query_attention` (on for half precision on the CPU) a
-    verification forward (one that wants every new token's logits) attends one query at a
-    time, exactly as a one-token forward does, and a token's logits no longer depend on
-    the tokens verified with it (tests/test_fast_runners.py checks it bitwise). Prefills
+    half-precision products (quantization.Projection: oneDNN, in chunks of 32 rows) compute
+    each row the same whatever rows share them, so with `per_query_attention` (on for half
+    precision on the CPU) a verification forward (one that wants every new token's logits)
+    attends one query at a time, exactly as a one-token forward does, and a token's logits
+    no longer depend on the tokens verified with it, nor on the other sequences of a batch
+    (tests/test_fast_runners.py checks both bitwise, with negative controls). Prefills
     (one logit wanted) keep the batched kernel: one query at a time is ~10x slower for a
     500-token prompt, and the engine prefills a prompt alone in every mode anyway.
     """

@@ -27,6 +27,7 @@ class Projection:
     costs about what F.linear costs for m / 2 (measured: benchmarks/results/profile.txt).
     x with n rows, m / 2 <= n <= m, is padded to m rows; rows are computed independently,
     so the padding does not change them. Other n (one row: plain decoding) use F.linear.
+    A half-precision W on the CPU is kept reordered for oneDNN instead (`onednn`).
     """
 
     weight: torch.Tensor  # [out, in]
@@ -50,7 +51,6 @@ class Projection:
             return F.linear(x, self.weight, self.bias)
         padded = x if n == rows else F.pad(x, (0, 0, 0, rows - n))
         return torch.ops.mkl._mkl_linear(padded, self.packed[rows], self.weight, self.bias, rows)[:n]
-
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
