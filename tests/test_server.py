@@ -16,6 +16,7 @@ import uvicorn
 from typer.testing import CliRunner
 
 from specdecode import SpeculativeEngine
+from specdecode.engine import DrafterOptions
 from specdecode.cli import app as cli_app
 from specdecode.server import create_app
 
@@ -220,7 +221,15 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_metrics_count_requests_tokens_and_errors(server, client):
+def test_metrics_count_requests_tokens_and_errors(tiny_model_dir):
+    # k fixed: the shared server's adaptive k may have switched drafting off in earlier tests
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir, options=DrafterOptions(adaptive=False))
+    with serving(create_app(engine, model_name=MODEL)) as server:
+        client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        check_metrics(server, client)
+
+
+def check_metrics(server: str, client: openai.OpenAI) -> None:
     names = [
         "specdecode:num_requests_running",
         "specdecode:num_requests_waiting",
