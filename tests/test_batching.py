@@ -14,7 +14,7 @@ from specdecode.fast_llama import FastLlamaRunner
 from specdecode.kv_cache import HFModelRunner
 from specdecode.sampling import SamplingParams
 from specdecode.stopping import StoppingCriteria
-from test_distribution import PROMPT, VOCAB, exact_joint, g_test_pvalue, target_and_draft
+from test_distribution import NUM_TOKENS, PROMPT, SKIP, VOCAB, exact_joint, g_test_pvalue, target_and_draft
 from test_greedy import hf_greedy
 
 PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20], [2], [7, 7, 7, 7, 7, 7, 7, 7, 7, 1]]
@@ -59,13 +59,14 @@ SAMPLES = 1500
 
 def test_batched_sampling_with_mixed_params_keeps_each_target_distribution():
     """Sequences of two sampling settings, prompt lookup, k = 3, decoded 8 at a time; each
-    setting's first two tokens pass a G-test against the target and fail against the draft."""
+    setting's tokens 2 and 3 (the first speculative step's) pass a G-test against the target
+    and fail against the draft."""
     target, other = target_and_draft(tiny_llama)
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
     decoder = engine.batch_decoder(8)
     waiting = [
         BatchSequence(
-            PROMPT, SamplingParams(**MIXED[i % 2]), StoppingCriteria(4), torch.Generator().manual_seed(i),
+            PROMPT, SamplingParams(**MIXED[i % 2]), StoppingCriteria(SKIP + 4), torch.Generator().manual_seed(i),
             engine.sequence_drafter(),
         )
         for i in range(2 * SAMPLES)
@@ -73,9 +74,9 @@ def test_batched_sampling_with_mixed_params_keeps_each_target_distribution():
     decode_all(decoder, waiting)
     assert sum(s.stats.accepted_tokens for s in waiting) > 0
     for i, params in enumerate(MIXED):
-        counts = np.zeros(VOCAB**2)
+        counts = np.zeros(VOCAB**NUM_TOKENS)
         for seq in waiting[i::2]:
-            counts[np.ravel_multi_index(seq.generated[:2], [VOCAB] * 2)] += 1
+            counts[np.ravel_multi_index(seq.generated[SKIP : SKIP + NUM_TOKENS], [VOCAB] * NUM_TOKENS)] += 1
         assert g_test_pvalue(counts, exact_joint(target, params)) > 0.001, params
         assert g_test_pvalue(counts, exact_joint(other, params)) < 0.001, params  # negative control
 

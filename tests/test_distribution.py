@@ -1,8 +1,9 @@
 """Sampling keeps the target's distribution, checked statistically.
 
-The engine samples the first new tokens many times; their empirical joint distribution
-is compared with the target's exact one, computed directly in float64 with an
-independent implementation of temperature / top-k / top-p. The G-test runs at
+The engine samples new tokens many times; the empirical joint distribution of the second
+and third (the first two of the first speculative step: the first token comes from the
+prompt's prefill, before any draft) is compared with the target's exact one, computed
+directly in float64 with an independent implementation of temperature / top-k / top-p. The G-test runs at
 significance ALPHA (seeds are fixed, so a pass is reproducible). Each test also runs a
 negative control that must fail: the same samples against the draft's distribution.
 """
@@ -23,7 +24,8 @@ from specdecode.kv_cache import HFModelRunner
 ALPHA = 0.001
 VOCAB = 12
 PROMPT = [3, 5, 7, 2]
-NUM_TOKENS = 2  # length of the sampled prefix whose joint distribution is tested
+SKIP = 1  # new tokens before the tested window: the first comes from the prefill, undrafted
+NUM_TOKENS = 2  # length of the window whose joint distribution is tested
 SAMPLES = 2000
 
 
@@ -43,28 +45,28 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k=None, top_p=No
 
 
 def exact_joint(model, params) -> np.ndarray:
-    """P(first NUM_TOKENS new tokens = t) for every t, flattened [VOCAB ** NUM_TOKENS]."""
+    """P(new tokens SKIP .. SKIP + NUM_TOKENS - 1 = t) for every t, flattened [VOCAB ** NUM_TOKENS]."""
     model64 = model.to(torch.float64)
-    joint = {}
-    for prefix in itertools.chain.from_iterable(
-        itertools.product(range(VOCAB), repeat=n) for n in range(NUM_TOKENS)
-    ):
+    length = SKIP + NUM_TOKENS
+    conditional = {}
+    for prefix in itertools.chain.from_iterable(itertools.product(range(VOCAB), repeat=n) for n in range(length)):
         with torch.no_grad():
             logits = model64(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].numpy()
-        joint[prefix] = reference_probs(logits, **params)
+        conditional[prefix] = reference_probs(logits, **params)
     model.to(torch.float32)
-    probs = np.ones([VOCAB] * NUM_TOKENS)
-    for t in itertools.product(range(VOCAB), repeat=NUM_TOKENS):
-        for n in range(NUM_TOKENS):
-            probs[t] *= joint[t[:n]][t[n]]
-    return probs.reshape(-1)
+    probs = np.ones([VOCAB] * length)
+    for t in itertools.product(range(VOCAB), repeat=length):
+        for n in range(length):
+            probs[t] *= conditional[t[:n]][t[n]]
+    return probs.sum(axis=tuple(range(SKIP))).reshape(-1)  # the skipped tokens summed out
 
 
 def sample_counts(engine, k, params, seed) -> np.ndarray:
-    results = engine.generate([PROMPT] * SAMPLES, max_new_tokens=max(k + 1, NUM_TOKENS), seed=seed, **params)
+    # room for a whole first speculative step: k drafts and a bonus token after the skipped ones
+    results = engine.generate([PROMPT] * SAMPLES, max_new_tokens=SKIP + max(k + 1, NUM_TOKENS), seed=seed, **params)
     counts = np.zeros(VOCAB**NUM_TOKENS)
     for r in results:
-        counts[np.ravel_multi_index(r.token_ids[:NUM_TOKENS], [VOCAB] * NUM_TOKENS)] += 1
+        counts[np.ravel_multi_index(r.token_ids[SKIP : SKIP + NUM_TOKENS], [VOCAB] * NUM_TOKENS)] += 1
     return counts
 
 
