@@ -111,10 +111,12 @@ class AdaptiveK:
         return 1
 
     def _acceptance(self, positions: int) -> list[float]:
+        return (self.acceptance + [self._unreached()] * positions)[:positions]
+
+    def _unreached(self) -> float:
         # a position never reached is assumed as good as the deepest one measured, as it is
         # now: once a run of drafts is accepted the next token usually is too (copying)
-        fill = self.acceptance[-1] if self.acceptance else PRIOR_ACCEPTANCE
-        return (self.acceptance + [fill] * positions)[:positions]
+        return self.acceptance[-1] if self.acceptance else PRIOR_ACCEPTANCE
 
     def record_draft(self, num_drafted: int, seconds: float) -> None:
         self.draft_seconds_per_token = ema(self.draft_seconds_per_token, seconds / max(num_drafted, 1))
@@ -123,7 +125,7 @@ class AdaptiveK:
         # position i was tried when every draft before it was accepted (so all before it were measured)
         for i in range(min(num_accepted + 1, num_drafted)):
             if i == len(self.acceptance):  # reached for the first time: start from its guess
-                self.acceptance.append(self._acceptance(i + 1)[i])
+                self.acceptance.append(self._unreached())
             self.acceptance[i] = ema(self.acceptance[i], float(i < num_accepted))
 
 

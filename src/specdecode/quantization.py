@@ -43,6 +43,8 @@ class Projection:
         if self.onednn is not None:
             # oneDNN computes a row the same whatever rows share its product up to 32 rows,
             # not beyond (measured): in chunks of 32 a row never depends on its batch
+            if x.shape[0] <= ONEDNN_INVARIANT_ROWS:  # decoding and verification: no copy
+                return self._onednn(x)
             return torch.cat([self._onednn(chunk) for chunk in x.split(ONEDNN_INVARIANT_ROWS)])
         n = x.shape[0]
         # padding to more than twice the rows costs more than it saves (measured: profile.txt)

@@ -176,7 +176,7 @@ def started_server(
     """(base URL, model name) of the server at url, or of a `specdecode serve` started here
     (in its own process, so that clients and engine do not share an interpreter) and stopped after."""
     if url is not None:
-        api_base = url.rstrip("/") if url.rstrip("/").endswith("/v1") else f"{url.rstrip('/')}/v1"
+        api_base = url.rstrip("/").removesuffix("/v1") + "/v1"
         yield api_base, _served_model(api_base)
         return
     with socket.socket() as sock:
