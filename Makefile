@@ -1,12 +1,12 @@
 # `make run`: set up .venv and generate with the offline default model, speculative vs target-only.
-# `make test`: set up .venv and run the whole test suite.
+# `make test`: set up .venv, lint (ruff), and run the whole test suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model verifies in one pass, so generation gets faster without changing its output.
 
-.PHONY: setup run test clean
+.PHONY: setup run lint test clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,11 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/specdecode generate "$(PROMPT)" --compare
 
-test: setup
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+test: setup lint
 	$(BIN)/python -m pytest -n 2
 
 clean:

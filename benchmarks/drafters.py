@@ -24,11 +24,15 @@ from transformers import LlamaForCausalLM
 
 from report import emit
 from specdecode import SpeculativeEngine
-from specdecode.adaptive import AdaptiveDrafter
-from specdecode.drafters import AutoDrafter, CrossTokenizerDrafter, ModelDrafter, PromptLookupDrafter
-from specdecode.drafters import self_quantized_drafter
-from specdecode.kv_cache import runner_for
-from specdecode.models import load_model
+from specdecode.drafters import (
+    AutoDrafter,
+    CrossTokenizerDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    self_quantized_drafter,
+)
+from specdecode.loading import load_model
+from specdecode.runners import runner_for
 
 PASSAGE = (
     "The city council met on Tuesday to discuss the new public library. The building will have three floors, "
@@ -60,27 +64,32 @@ def random_draft(target) -> LlamaForCausalLM:
 
 
 def drafters(engine: SpeculativeEngine, k_max: int, model_drafters: bool = True) -> dict[str, tuple]:
-    """name -> (drafter, k). Adaptive drafters read the engine's measured step costs."""
+    """name -> (drafter, k, adaptive)."""
     target = engine.target_runner.model
-    adaptive = lambda d: AdaptiveDrafter(d, engine.step_costs)  # noqa: E731
     useless = ModelDrafter(runner_for(random_draft(target)))
     lookup_family = {
-        "prompt-lookup, k=4": (PromptLookupDrafter(), 4),
-        f"prompt-lookup, adaptive k<={k_max}": (adaptive(PromptLookupDrafter()), k_max),
-        f"auto (lookup), adaptive k<={k_max}": (AutoDrafter([adaptive(PromptLookupDrafter())]), k_max),
+        "prompt-lookup, k=4": (PromptLookupDrafter(), 4, False),
+        f"prompt-lookup, adaptive k<={k_max}": (PromptLookupDrafter(), k_max, True),
+        f"auto (lookup), adaptive k<={k_max}": (AutoDrafter([PromptLookupDrafter()]), k_max, True),
         f"auto (lookup + random draft), adaptive k<={k_max}": (
-            AutoDrafter([adaptive(PromptLookupDrafter()), adaptive(useless)]), k_max),
+            AutoDrafter([PromptLookupDrafter(), useless]),
+            k_max,
+            True,
+        ),
     }
     if not model_drafters:
         return lookup_family
     gemma, gemma_tokenizer = load_model("gemma3-270m", "cpu", "float32")
     cross = CrossTokenizerDrafter(runner_for(gemma), gemma_tokenizer, engine.tokenizer)
     return lookup_family | {
-        "self-quantized bf16, k=4": (self_quantized_drafter(target, "bfloat16"), 4),
-        "self-quantized int8, k=4": (self_quantized_drafter(target, "int8"), 4),
-        "cross-tokenizer gemma3-270m, k=4": (cross, 4),
+        "self-quantized bf16, k=4": (self_quantized_drafter(target, "bfloat16"), 4, False),
+        "self-quantized int8, k=4": (self_quantized_drafter(target, "int8"), 4, False),
+        "cross-tokenizer gemma3-270m, k=4": (cross, 4, False),
         f"auto (lookup + cross-tokenizer gemma3), adaptive k<={k_max}": (
-            AutoDrafter([adaptive(PromptLookupDrafter()), adaptive(copy.copy(cross))]), k_max),
+            AutoDrafter([PromptLookupDrafter(), copy.copy(cross)]),
+            k_max,
+            True,
+        ),
     }
 
 
@@ -101,10 +110,8 @@ def main() -> None:
 
     engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype)
     views = {}
-    for name, (drafter, k) in drafters(engine, args.k_max, not args.lookup_only).items():
-        view = copy.copy(engine)  # shares the target, tokenizer and step costs
-        view.drafter, view.num_speculative_tokens = drafter, k
-        views[name] = view
+    for name, (drafter, k, adaptive) in drafters(engine, args.k_max, not args.lookup_only).items():
+        views[name] = view = engine.with_drafter(drafter, k, adaptive)  # shares the target and tokenizer
         timed(view, "Say hello.", 8)  # warm-up: first calls and first measurements
     totals = defaultdict(lambda: defaultdict(float))  # (drafter, kind) -> sums
     for kind, prompts in PROMPTS.items():
@@ -117,8 +124,11 @@ def main() -> None:
             _add(totals["target-only", kind], first, baseline_s, baseline_s, True)
             for name, (result, seconds) in runs.items():
                 _add(totals[name, kind], result, seconds, baseline_s, result.token_ids == first.token_ids)
-            print(f"{kind:10s} {baseline_s:5.2f} s target-only | " + " | ".join(
-                f"{name.split(',')[0]} {baseline_s / s:.2f}x" for name, (_, s) in runs.items()), flush=True)
+            print(
+                f"{kind:10s} {baseline_s:5.2f} s target-only | "
+                + " | ".join(f"{name.split(',')[0]} {baseline_s / s:.2f}x" for name, (_, s) in runs.items()),
+                flush=True,
+            )
     emit(_table(totals, list(views), args), args.out)
 
 

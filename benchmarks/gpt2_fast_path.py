@@ -22,10 +22,13 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from report import emit
 from specdecode import SpeculativeEngine
-from specdecode.fast_gpt2 import FastGPT2Runner
-from specdecode.models import resolve_dtype
+from specdecode.loading import resolve_dtype
+from specdecode.runners.fast_gpt2 import FastGPT2Runner
 
-SHAPES = {"gpt2-medium-sized": dict(n_layer=24, n_embd=1024, n_head=16), "distilgpt2-sized": dict(n_layer=6, n_embd=768, n_head=12)}
+SHAPES = {
+    "gpt2-medium-sized": dict(n_layer=24, n_embd=1024, n_head=16),
+    "distilgpt2-sized": dict(n_layer=6, n_embd=768, n_head=12),
+}
 
 
 def random_gpt2(shape: dict, device: str, dtype: torch.dtype) -> GPT2LMHeadModel:
@@ -66,11 +69,11 @@ def main() -> None:
         engine = SpeculativeEngine(FastGPT2Runner(model), num_speculative_tokens=0)
         inputs = prompt.to(args.device)
 
-        def hf() -> list[int]:
+        def hf(model=model, inputs=inputs) -> list[int]:
             out = model.generate(inputs, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
             return out[0, 32:].tolist()  # .tolist() waits for the device
 
-        def fast() -> list[int]:
+        def fast(engine=engine) -> list[int]:
             return engine.generate(prompt.tolist(), max_new_tokens=args.new_tokens, speculative=False)[0].token_ids
 
         hf_tokens, fast_tokens = hf(), fast()  # warm-up, and the outputs compared

@@ -20,9 +20,9 @@ import torch
 from drafters import PROMPTS
 from report import emit
 from specdecode import SpeculativeEngine
+from specdecode.bench.profiler import measure_hardware, median_seconds, profile_forward
+from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import PromptLookupDrafter
-from specdecode.profiling import measure_hardware, median_seconds, profile_forward
-from specdecode.sampling import SamplingParams
 
 KS = (2, 4, 8, 12, 16)
 
@@ -50,12 +50,16 @@ def main() -> None:
     engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype)
     runner, model = engine.target_runner, engine.target_runner.model
     hardware = measure_hardware(model.dtype)
-    costs = {c.new_tokens: c.seconds for c in profile_forward(runner, model, hardware, tuple(range(1, max(KS) + 2)), prefix=100)}
+    costs = {
+        c.new_tokens: c.seconds
+        for c in profile_forward(runner, model, hardware, tuple(range(1, max(KS) + 2)), prefix=100)
+    }
     lines = [
         f"# Prompt lookup's ceiling on smollm2-135m-instruct ({args.dtype}, CPU, {torch.get_num_threads()} threads)",
         "",
         f"Command: `.venv/bin/python benchmarks/lookup_ceiling.py --dtype {args.dtype}`. Forward ms by tokens verified: "
-        + ", ".join(f"{n}: {s * 1e3:.0f}" for n, s in costs.items()) + ".",
+        + ", ".join(f"{n}: {s * 1e3:.0f}" for n, s in costs.items())
+        + ".",
         "",
         "| prompts | k | tokens per forward | speedup at measured costs | speedup if verification cost one token |",
         "|---|---|---|---|---|",
@@ -65,7 +69,7 @@ def main() -> None:
         for prompt in prompts:
             ids = engine.prompt_token_ids(prompt, chat=True)
             answer = engine.generate([ids], max_new_tokens=args.new_tokens, speculative=False)[0].token_ids
-            prefill = median_seconds(lambda: (runner.reset(), runner.forward(torch.tensor(ids), 1)), repeats=3)
+            prefill = median_seconds(lambda: (runner.reset(), runner.forward(torch.tensor(ids), 1)), repeats=3)  # noqa: B023
             answers.append((ids, answer, prefill))
         target_only = sum(prefill + len(answer) * costs[1] for _, answer, prefill in answers)
         for k in KS:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specdecode import SpeculativeEngine
-from specdecode.kv_cache import runner_for
+from specdecode.runners import runner_for
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -41,11 +41,14 @@ def variants(model):
     """(name, runner, weight bytes a forward reads) for each precision."""
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     int8 = runner_for(model, quantization="int8")
-    int8_bytes = sum(
-        p.weight.numel() * p.weight.element_size() + p.scales.numel() * 4
-        for layer in int8.layers
-        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-    ) + int8.lm_head.weight.numel() * int8.lm_head.weight.element_size()
+    int8_bytes = (
+        sum(
+            p.weight.numel() * p.weight.element_size() + p.scales.numel() * 4
+            for layer in int8.layers
+            for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        + int8.lm_head.weight.numel() * int8.lm_head.weight.element_size()
+    )
     return [
         ("float32", runner_for(model), _bytes(model)),
         ("bfloat16", runner_for(bf16), _bytes(bf16)),
@@ -92,7 +95,9 @@ def main() -> None:
     for ids in [prompts[0]] + prompts:  # the first pass is a warm-up and is not kept
         tokens_per_second = {}
         start = time.perf_counter()
-        model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+        model.generate(
+            torch.tensor([ids]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False
+        )
         tokens_per_second["transformers generate, float32"] = args.new_tokens / (time.perf_counter() - start)
         for name, e in engines.items():
             result = e.generate([ids], max_new_tokens=args.new_tokens)[0]

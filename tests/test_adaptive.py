@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from conftest import nearby_draft, tiny_gpt2, tiny_llama
+from helpers import GREEDY_PROMPTS as PROMPTS
+from helpers import hf_greedy, nearby_draft, tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine
-from specdecode.adaptive import PROBE_EVERY, AdaptiveDrafter, AdaptiveK, StepCosts, best_k, expected_tokens
+from specdecode.core.adaptive import PROBE_EVERY, AdaptiveK, StepCosts, best_k, expected_tokens
 from specdecode.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
-from specdecode.kv_cache import HFModelRunner
-from test_greedy import PROMPTS, hf_greedy
+from specdecode.runners import HFModelRunner
 
 
 def linear_costs(base: float = 0.030, per_token: float = 0.005, sizes=(1, 2, 5)) -> StepCosts:
@@ -70,15 +70,14 @@ def test_policy_switches_back_on_when_probes_succeed():
 def test_greedy_output_with_adaptive_k_equals_transformers_generate(family):
     target = family(seed=1)
     expected = [hf_greedy(target, prompt, 40) for prompt in PROMPTS]
-    engine = SpeculativeEngine(target, num_speculative_tokens=6)
+    engine = SpeculativeEngine(target, num_speculative_tokens=6, adaptive=True)
     drafters = {
         "lookup": PromptLookupDrafter(),
         "random draft": ModelDrafter(HFModelRunner(family(seed=99))),
         "nearby draft, stops when unsure": ModelDrafter(HFModelRunner(nearby_draft(target, 0.5)), min_confidence=0.6),
     }
-    adaptive = {name: AdaptiveDrafter(d, engine.step_costs) for name, d in drafters.items()}
-    adaptive["auto"] = AutoDrafter([adaptive.pop("lookup"), adaptive["random draft"]])
-    for name, drafter in adaptive.items():
+    drafters["auto"] = AutoDrafter([drafters.pop("lookup"), drafters["random draft"]])
+    for name, drafter in drafters.items():
         engine.drafter = drafter
         for _ in range(2):  # the second pass starts from what the first measured
             results = engine.generate(PROMPTS, max_new_tokens=40)

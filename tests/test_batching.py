@@ -1,21 +1,33 @@
-"""Continuous batching (batching.py, batch_runner.py): every sequence gets what it gets alone."""
+"""Continuous batching (decoder.py, runners/slots.py): every sequence gets what it gets alone."""
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_gpt2, tiny_llama
+from helpers import (
+    DIST_VOCAB,
+    NUM_TOKENS,
+    PROMPT,
+    SKIP,
+    assert_drafted_and_accepted,
+    exact_joint,
+    g_test_pvalue,
+    hf_greedy,
+    nearby_draft,
+    target_and_draft,
+    tiny_gpt2,
+    tiny_llama,
+)
 from specdecode import SpeculativeEngine
-from specdecode.adaptive import AdaptiveK, StepCosts
-from specdecode.batch_runner import BatchRunner
-from specdecode.batching import BatchSequence, decode_all
+from specdecode.core.adaptive import AdaptiveK, StepCosts
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.stopping import StoppingCriteria
+from specdecode.decoder import Sequence, decode_all
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
-from specdecode.fast_llama import FastLlamaRunner
-from specdecode.kv_cache import HFModelRunner
-from specdecode.sampling import SamplingParams
-from specdecode.stopping import StoppingCriteria
-from test_distribution import NUM_TOKENS, PROMPT, SKIP, VOCAB, exact_joint, g_test_pvalue, target_and_draft
-from test_greedy import hf_greedy
+from specdecode.engine import make_generator
+from specdecode.runners import HFModelRunner
+from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.runners.slots import SlotPool
 
 PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20], [2], [7, 7, 7, 7, 7, 7, 7, 7, 7, 1]]
 
@@ -23,7 +35,8 @@ PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20], [2], [7, 7,
 def test_a_batched_forward_gives_each_sequence_its_own_logits():
     """Ragged prefills, then ragged steps after ragged cache lengths, against one sequence at a time."""
     model = tiny_llama(seed=3)
-    batched, alone = BatchRunner(FastLlamaRunner(model), num_slots=3), FastLlamaRunner(model)
+    batched, alone = SlotPool(FastLlamaRunner(model)), FastLlamaRunner(model)
+    assert [batched.acquire() for _ in range(3)] == [0, 1, 2]
     steps = [  # per step: the new tokens of slots 0, 1, 2
         [[1, 2, 3], [4, 5, 6, 7, 8], [9]],
         [[10], [11, 12, 13], [14, 15]],
@@ -37,7 +50,7 @@ def test_a_batched_forward_gives_each_sequence_its_own_logits():
             alone.reset()
             expected = alone.forward(torch.tensor(history[slot]), len(tokens))
             torch.testing.assert_close(got[slot], expected, atol=1e-5, rtol=1e-5)
-    assert [batched.cache_length(s) for s in range(3)] == [6, 9, 7]
+    assert [batched.slots[s].cache_length for s in range(3)] == [6, 9, 7]
 
 
 @pytest.mark.parametrize("family", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
@@ -50,7 +63,7 @@ def test_greedy_batched_output_equals_transformers_generate(family, drafter, max
     results = engine.generate_batched(PROMPTS, max_new_tokens=30, max_batch_size=max_batch_size)
     assert [r.token_ids for r in results] == [hf_greedy(target, p, 30) for p in PROMPTS]
     if drafter is not None:
-        assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified in batches
+        assert_drafted_and_accepted(results)  # drafts were verified in batches
 
 
 MIXED = [dict(temperature=1.0), dict(temperature=0.7, top_k=4)]
@@ -63,20 +76,24 @@ def test_batched_sampling_with_mixed_params_keeps_each_target_distribution():
     and fail against the draft."""
     target, other = target_and_draft(tiny_llama)
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
-    decoder = engine.batch_decoder(8)
+    engine.decoder.capacity = 8
     waiting = [
-        BatchSequence(
-            PROMPT, SamplingParams(**MIXED[i % 2]), StoppingCriteria(SKIP + 4), torch.Generator().manual_seed(i),
-            engine.sequence_drafter(),
+        Sequence(
+            PROMPT,
+            SamplingParams(**MIXED[i % 2]),
+            StoppingCriteria(SKIP + 4),
+            torch.Generator().manual_seed(i),
+            (engine.drafter.fork(),),
+            k_max=3,
         )
         for i in range(2 * SAMPLES)
     ]
-    decode_all(decoder, waiting)
+    decode_all(engine.decoder, waiting)
     assert sum(s.stats.accepted_tokens for s in waiting) > 0
     for i, params in enumerate(MIXED):
-        counts = np.zeros(VOCAB**NUM_TOKENS)
+        counts = np.zeros(DIST_VOCAB**NUM_TOKENS)
         for seq in waiting[i::2]:
-            counts[np.ravel_multi_index(seq.generated[SKIP : SKIP + NUM_TOKENS], [VOCAB] * NUM_TOKENS)] += 1
+            counts[np.ravel_multi_index(seq.generated[SKIP : SKIP + NUM_TOKENS], [DIST_VOCAB] * NUM_TOKENS)] += 1
         assert g_test_pvalue(counts, exact_joint(target, params)) > 0.001, params
         assert g_test_pvalue(counts, exact_joint(other, params)) < 0.001, params  # negative control
 
@@ -109,4 +126,39 @@ def test_a_draft_model_drafts_one_sequence_at_a_time_and_stays_exact():
     assert not engine.drafts_in_batches
     results = engine.generate_batched(PROMPTS, max_new_tokens=20, max_batch_size=8)
     assert [r.token_ids for r in results] == [hf_greedy(target, p, 20) for p in PROMPTS]
-    assert sum(r.stats.accepted_tokens for r in results) > 0
+    assert_drafted_and_accepted(results)
+
+
+def test_seeded_sampling_with_an_adaptive_draft_model_ignores_what_ran_before():
+    """Seeded samples must not depend on the engine's history: an earlier generate() call
+    measures costs and acceptance, and still the seeded batch drafts its most k every step
+    and samples what a fresh engine samples."""
+    target = tiny_llama(seed=1)
+
+    def engine():
+        drafter = ModelDrafter(HFModelRunner(nearby_draft(target, 0.5)))
+        return SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=4, adaptive=True)
+
+    seeded = dict(max_new_tokens=16, temperature=1.0, seed=3, max_batch_size=4)
+    fresh = engine().generate_batched(PROMPTS, **seeded)
+    used = engine()
+    used.generate(PROMPTS[:2], max_new_tokens=40)  # greedy and unseeded: k adapts to what it measures
+    again = used.generate_batched(PROMPTS, **seeded)
+    assert [r.token_ids for r in again] == [r.token_ids for r in fresh]
+    assert all(r.stats.k_policy == "fixed" for r in again)
+
+
+def test_each_sequence_has_its_own_k_limit():
+    """A sequence with k = 0 drafts nothing while its neighbours in the batch draft."""
+    target = tiny_llama(seed=1)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4)
+    settings = [engine.settings(30, 0.0, None, None, None, None, k) for k in (0, 4, 2)]
+    sequences = [engine.sequence(PROMPTS[4], s, make_generator(None)) for s in settings]
+    engine.decoder.capacity = 3
+    decode_all(engine.decoder, sequences)
+    drafted = [s.stats.drafted_tokens for s in sequences]
+    assert drafted[0] == 0 and drafted[1] > 0 and drafted[2] > 0
+    assert max(s.stats.drafted_histogram for s in sequences[2:]) and max(sequences[2].stats.drafted_histogram) <= 2
+    assert len({tuple(s.generated) for s in sequences}) == 1  # greedy: the same text whatever k
+    by_call = engine.generate([PROMPTS[4]], max_new_tokens=30, num_speculative_tokens=0)[0]
+    assert by_call.stats.drafted_tokens == 0 and by_call.token_ids == sequences[0].generated

@@ -11,11 +11,11 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from conftest import nearby_draft, tiny_llama, tiny_tokenizer
+from helpers import nearby_draft, tiny_llama, tiny_tokenizer
 from specdecode.bench import BenchConfig, run_benchmark, write_outputs
 from specdecode.bench.config import QUICK
-from specdecode.bench.prompts import MT_BENCH_CATEGORIES, default_prompt_file, load_prompts, select_prompts
 from specdecode.bench.measurement import Measurement
+from specdecode.bench.prompts import MT_BENCH_CATEGORIES, default_prompt_file, load_prompts, select_prompts
 from specdecode.bench.quality import compare_greedy, first_difference, target_perplexity
 from specdecode.bench.theory import expected_tokens_per_step, per_token_acceptance, predicted_speedup
 from specdecode.cli import app
@@ -52,8 +52,19 @@ def greedy_run(tiny_model_dir, prompt_file, tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     result = runner.invoke(
         app,
-        ["bench", "--target", tiny_model_dir, "--prompts", prompt_file, "-k", "2,3",
-         "--max-new-tokens", "12", "--output-dir", str(folder)],
+        [
+            "bench",
+            "--target",
+            tiny_model_dir,
+            "--prompts",
+            prompt_file,
+            "-k",
+            "2,3",
+            "--max-new-tokens",
+            "12",
+            "--output-dir",
+            str(folder),
+        ],
     )
     assert result.exit_code == 0, result.output
     return folder, result.stdout
@@ -64,8 +75,12 @@ def test_bench_writes_results_report_and_plots(greedy_run):
     results = json.loads((folder / "results.json").read_text())
     systems = [s["name"] for s in results["systems"]]
     assert systems == [
-        "hf target-only", "hf prompt-lookup k=2", "hf prompt-lookup k=3",
-        "specdecode target-only", "specdecode prompt-lookup k=2", "specdecode prompt-lookup k=3",
+        "hf target-only",
+        "hf prompt-lookup k=2",
+        "hf prompt-lookup k=3",
+        "specdecode target-only",
+        "specdecode prompt-lookup k=2",
+        "specdecode prompt-lookup k=3",
     ]
     assert len(results["measurements"]) == len(PROMPTS) * len(systems)
     assert {p["category"] for p in results["prompts"]} == {"repeat", "free", "custom"}
@@ -77,8 +92,13 @@ def test_bench_writes_results_report_and_plots(greedy_run):
     assert all(m["new_tokens"] >= 1 and m["wall_time_s"] > 0 for m in results["measurements"])
 
     report = (folder / "report.md").read_text()
-    for heading in ("## All categories", "## Speedup over (a) by category", "## Acceptance by draft position",
-                    "## Step costs", "## Greedy outputs that differ from (a)"):
+    for heading in (
+        "## All categories",
+        "## Speedup over (a) by category",
+        "## Acceptance by draft position",
+        "## Step costs",
+        "## Greedy outputs that differ from (a)",
+    ):
         assert heading in report
     assert all(name in report for name in systems)
     for plot in ("speedup_by_category", "acceptance_by_position", "tokens_per_second_vs_k"):
@@ -119,7 +139,11 @@ def test_summary_rows_hold_consistent_metrics(greedy_run):
 
 def test_draft_model_runs_against_transformers_assisted_generation(tiny_model_dir, prompt_file, draft_dir, tmp_path):
     config = BenchConfig.create(
-        target=tiny_model_dir, drafts=[draft_dir], k_values=[3], prompts=prompt_file, max_new_tokens=16,
+        target=tiny_model_dir,
+        drafts=[draft_dir],
+        k_values=[3],
+        prompts=prompt_file,
+        max_new_tokens=16,
         output_dir=str(tmp_path),
     )
     console_output = io.StringIO()
@@ -146,8 +170,14 @@ def test_draft_model_runs_against_transformers_assisted_generation(tiny_model_di
 
 def test_sampling_runs_report_perplexity_instead_of_identity(tiny_model_dir, prompt_file, tmp_path):
     config = BenchConfig.create(
-        target=tiny_model_dir, k_values=[2], prompts=prompt_file, categories=["repeat"], max_new_tokens=10,
-        temperature=1.0, runs=2, output_dir=str(tmp_path),
+        target=tiny_model_dir,
+        k_values=[2],
+        prompts=prompt_file,
+        categories=["repeat"],
+        max_new_tokens=10,
+        temperature=1.0,
+        runs=2,
+        output_dir=str(tmp_path),
     )
     result = run_benchmark(config, Console(file=io.StringIO()))
     assert len(result.measurements) == 2 * 2 * 4  # runs x prompts x systems

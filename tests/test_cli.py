@@ -27,7 +27,13 @@ def test_json_output_has_text_tokens_and_stats(tiny_model_dir):
     assert stats["generated_tokens"] == len(tokens)
     assert 0.0 <= stats["acceptance_rate"] <= 1.0
     assert stats["mean_accepted_length"] >= 1.0
-    assert set(stats) >= {"drafted_tokens", "accepted_tokens", "accepted_per_position", "target_forwards", "wall_time_s"}
+    assert set(stats) >= {
+        "drafted_tokens",
+        "accepted_tokens",
+        "accepted_per_position",
+        "target_forwards",
+        "wall_time_s",
+    }
 
 
 def test_human_output_and_compare(tiny_model_dir):

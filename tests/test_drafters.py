@@ -5,14 +5,13 @@ import json
 import pytest
 import torch
 
-from conftest import nearby_draft, permuted_vocabulary, tiny_llama, tiny_tokenizer
+from helpers import nearby_draft, permuted_vocabulary, tiny_llama, tiny_tokenizer
 from specdecode import SpeculativeEngine
-from specdecode.adaptive import AdaptiveDrafter, StepCosts
+from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import AutoDrafter, CrossTokenizerDrafter, ModelDrafter, PromptLookupDrafter
 from specdecode.drafters.self_quantized import Int8Linear, quantized_copy, self_quantized_drafter
 from specdecode.errors import InvalidArgumentError
-from specdecode.kv_cache import HFModelRunner
-from specdecode.sampling import SamplingParams
+from specdecode.runners import HFModelRunner
 
 GREEDY = SamplingParams()
 
@@ -104,9 +103,8 @@ def test_auto_tries_its_candidates_in_order_and_records_the_source():
 
 def test_adaptive_auto_gives_up_a_useless_draft_model():
     target = tiny_llama(seed=1)
-    useless = AdaptiveDrafter(ModelDrafter(HFModelRunner(tiny_llama(seed=99))), StepCosts())
-    engine = SpeculativeEngine(target, drafter=useless, num_speculative_tokens=4)
-    useless.policy.step_costs = engine.step_costs
+    useless = ModelDrafter(HFModelRunner(tiny_llama(seed=99)))
+    engine = SpeculativeEngine(target, drafter=useless, num_speculative_tokens=4, adaptive=True)
     stats = engine.generate([[3, 5, 7, 2]], max_new_tokens=60)[0].stats
     assert stats.k_policy == "adaptive"
     assert stats.drafted_histogram.get(0, 0) > stats.target_forwards / 2  # mostly target-only steps
@@ -128,8 +126,16 @@ def test_cli_builds_drafters_from_its_options(tiny_model_dir):
 
     args = ["generate", "w1 w2 w3 w1 w2", "--target", tiny_model_dir, "--max-new-tokens", "12", "--json"]
     for extra, drafter, policy in [
-        (["--drafter", "prompt-lookup", "--fixed-k", "--ngram", "1", "2", "--lookup-history"], "prompt-lookup", "fixed"),
-        (["--drafter", "self-quantized", "--quantization", "int8", "--min-confidence", "0.2"], "self-quantized-int8", "adaptive"),
+        (
+            ["--drafter", "prompt-lookup", "--fixed-k", "--ngram", "1", "2", "--lookup-history"],
+            "prompt-lookup",
+            "fixed",
+        ),
+        (
+            ["--drafter", "self-quantized", "--quantization", "int8", "--min-confidence", "0.2"],
+            "self-quantized-int8",
+            "adaptive",
+        ),
     ]:
         result = CliRunner().invoke(app, args + extra)
         assert result.exit_code == 0, result.output

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import tiny_llama, tiny_tokenizer
+from helpers import tiny_llama, tiny_tokenizer
 from specdecode import (
     InvalidArgumentError,
     ModelNotFoundError,
@@ -50,7 +50,7 @@ def test_prompt_over_the_context_is_its_own_error(engine):
 
 
 def test_negative_k():
-    with pytest.raises(InvalidArgumentError, match="must be >= 0"):
+    with pytest.raises(InvalidArgumentError, match="must be (an integer )?>= 0"):
         SpeculativeEngine(tiny_llama(seed=1), num_speculative_tokens=-1)
 
 

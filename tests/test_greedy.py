@@ -3,11 +3,17 @@
 import math
 
 import pytest
-import torch
 
-from conftest import permuted_vocabulary, tiny_gpt2, tiny_llama, tiny_tokenizer
+from helpers import (
+    GREEDY_PROMPTS,
+    assert_drafted_and_accepted,
+    hf_greedy,
+    permuted_vocabulary,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_tokenizer,
+)
 from specdecode import SpeculativeEngine
-from specdecode.adaptive import AdaptiveDrafter, StepCosts
 from specdecode.drafters import (
     AutoDrafter,
     CrossTokenizerDrafter,
@@ -15,14 +21,9 @@ from specdecode.drafters import (
     PromptLookupDrafter,
     self_quantized_drafter,
 )
-from specdecode.kv_cache import HFModelRunner
+from specdecode.runners import HFModelRunner
 
-PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20]]
-
-
-def hf_greedy(model, prompt, max_new_tokens):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
+PROMPTS = GREEDY_PROMPTS
 
 
 def drafters(target, family):
@@ -37,9 +38,7 @@ def drafters(target, family):
         "cross-tokenizer, random draft": CrossTokenizerDrafter(
             HFModelRunner(permuted_vocabulary(random_draft)[0]), permuted_vocabulary(random_draft)[1], tiny_tokenizer()
         ),
-        "auto, adaptive": AutoDrafter(
-            [AdaptiveDrafter(PromptLookupDrafter(), StepCosts()), AdaptiveDrafter(ModelDrafter(HFModelRunner(target)), StepCosts())]
-        ),
+        "auto, adaptive": AutoDrafter([PromptLookupDrafter(), ModelDrafter(HFModelRunner(target))]),
     }
 
 
@@ -49,9 +48,12 @@ def test_greedy_output_equals_transformers_generate_for_every_drafter(family, k)
     target = family(seed=1)
     expected = [hf_greedy(target, prompt, 40) for prompt in PROMPTS]
     for name, drafter in drafters(target, family).items():
-        engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=k)
+        engine = SpeculativeEngine(
+            target, drafter=drafter, num_speculative_tokens=k, adaptive=name.endswith("adaptive")
+        )
         results = engine.generate(PROMPTS, max_new_tokens=40)
         assert [r.token_ids for r in results] == expected, name
+        assert_drafted_and_accepted(results, name)
 
 
 def test_acceptance_matches_the_drafter_quality():

@@ -2,8 +2,8 @@
 
 import torch
 
-from conftest import tiny_gpt2, tiny_llama
-from specdecode.kv_cache import CachedSequence, HFModelRunner
+from helpers import tiny_gpt2, tiny_llama
+from specdecode.runners import CachedSequence, HFModelRunner
 
 
 def fresh_logits(model, tokens):
@@ -20,7 +20,9 @@ def test_logits_after_rollback_equal_a_fresh_forward_over_the_accepted_sequence(
         next_step = cached.logits(accepted + [8, 1], num_logits=3)
         assert cached.runner.cache_length == len(accepted) + 2
         for i, length in enumerate(range(len(accepted), len(accepted) + 3)):
-            torch.testing.assert_close(next_step[i], fresh_logits(model, (accepted + [8, 1])[:length]), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                next_step[i], fresh_logits(model, (accepted + [8, 1])[:length]), atol=1e-5, rtol=1e-5
+            )
 
 
 def test_only_the_new_suffix_is_run():

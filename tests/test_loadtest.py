@@ -7,10 +7,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from specdecode import SpeculativeEngine
+from specdecode.bench.loadtest import run_loadtest, server_metrics, started_server
 from specdecode.cli import app as cli_app
 from specdecode.server import create_app
 from specdecode.server.faults import RandomFaults
-from specdecode.server.loadtest import run_loadtest, server_metrics, started_server
 from test_server import MODEL, metric, serving, wait_for
 from test_server_faults import CrashAt
 
@@ -54,9 +54,15 @@ def test_no_request_is_lost_or_hung_under_faults_and_disconnects(tiny_model_dir)
 
 def test_loadtest_refuses_bad_options():
     runner = CliRunner()
-    for args in (["--concurrency", "1,x"], ["--concurrency", "0"], ["--disconnect-rate", "2"], ["--requests", "0"],
-                 ["--url", "http://127.0.0.1:9/v1", "--inject-faults", "0.1,0"],
-                 ["--url", "http://127.0.0.1:9/v1", "--dtype", "bfloat16"], ["--dtype", "fp8"]):
+    for args in (
+        ["--concurrency", "1,x"],
+        ["--concurrency", "0"],
+        ["--disconnect-rate", "2"],
+        ["--requests", "0"],
+        ["--url", "http://127.0.0.1:9/v1", "--inject-faults", "0.1,0"],
+        ["--url", "http://127.0.0.1:9/v1", "--dtype", "bfloat16"],
+        ["--dtype", "fp8"],
+    ):
         result = runner.invoke(cli_app, ["loadtest", *args])
         assert result.exit_code == 2 and "error" in result.output, args
 

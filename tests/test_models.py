@@ -1,7 +1,7 @@
 """The .gguf conversion cache: one folder per file content, safe when two processes convert at once."""
 
-from conftest import tiny_llama, tiny_tokenizer
-from specdecode import models
+from helpers import tiny_llama, tiny_tokenizer
+from specdecode import loading as models
 
 
 def test_the_same_file_in_two_places_maps_to_one_converted_folder(tmp_path, monkeypatch):

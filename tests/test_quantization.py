@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from conftest import tiny_gpt2, tiny_llama
-from specdecode.fast_llama import FastLlamaRunner
-from specdecode.kv_cache import CachedSequence, runner_for
-from specdecode.quantization import projection
+from helpers import tiny_gpt2, tiny_llama
+from specdecode.runners import CachedSequence, runner_for
+from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.runners.projection import projection
 
 
 def test_int8_rounding_error_is_at_most_half_a_step():

@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from specdecode import SpeculativeEngine
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
-from specdecode.kv_cache import HFModelRunner
-from specdecode.models import OFFLINE_MODELS, converted_gguf
+from specdecode.loading import OFFLINE_MODELS, converted_gguf
+from specdecode.runners import HFModelRunner
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,14 @@ def test_greedy_output_equals_transformers_generate_on_the_real_model(engine):
     model = engine.target_runner.model
     # a random model with the same vocabulary: its drafts are almost always rejected
     random_draft = LlamaForCausalLM(
-        LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=64, intermediate_size=128,
-                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+        LlamaConfig(
+            vocab_size=model.config.vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
     ).eval()
     drafters = {
         "prompt lookup": PromptLookupDrafter(),

@@ -16,8 +16,8 @@ import uvicorn
 from typer.testing import CliRunner
 
 from specdecode import SpeculativeEngine
-from specdecode.engine import DrafterOptions
 from specdecode.cli import app as cli_app
+from specdecode.engine import DrafterOptions
 from specdecode.server import create_app
 
 MODEL = "tiny"
@@ -77,7 +77,10 @@ def test_completion_equals_engine_generate(client, reference):
 def test_completion_of_token_ids_and_stop(client, reference):
     ids = reference.encode(PROMPT)
     expected = reference.generate([ids], max_new_tokens=10, temperature=0)[0]
-    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0).choices[0].text == expected.text
+    assert (
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0).choices[0].text
+        == expected.text
+    )
     stop = expected.text.split()[2]  # a word the greedy output contains: the text ends before it
     cut = reference.generate(PROMPT, max_new_tokens=10, temperature=0, stop=[stop])[0]
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stop=[stop])
@@ -89,7 +92,12 @@ def test_streamed_completion_joins_to_the_same_text(client, reference):
     expected = reference.generate(PROMPT, max_new_tokens=12, temperature=0)[0]
     chunks = list(
         client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
@@ -120,8 +128,27 @@ def test_raw_stream_ends_with_done(server):
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
 
 
+def test_each_request_chooses_its_own_k(client, reference):
+    """speculative.num_speculative_tokens: 0 drafts nothing, while a neighbour drafts; same text."""
+    prompt = "w2 w1 w4 w2 w1 w4 w2 w1"
+    expected = reference.generate(prompt, max_new_tokens=12, temperature=0)[0].text
+
+    def ask(k):
+        extra = {"speculative": {"num_speculative_tokens": k}}
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+
+    with ThreadPoolExecutor(2) as pool:
+        off, on = pool.map(ask, [0, 4])
+    assert off.choices[0].text == on.choices[0].text == expected
+    assert off.model_extra["speculative"]["drafted_tokens"] == 0
+    assert off.model_extra["speculative"]["num_speculative_tokens"] == 0
+    assert on.model_extra["speculative"]["num_speculative_tokens"] == 4
+
+
 def test_seeded_sampling_repeats(client):
-    ask = lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)  # noqa: E731
+    def ask():
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+
     assert ask().choices[0].text == ask().choices[0].text
 
 
@@ -133,7 +160,9 @@ def test_n_choices_are_sampled_together_each_as_it_would_be_alone(client):
     alone = [client.completions.create(**ask, seed=7 + i).choices[0].text for i in range(3)]
     assert [c.text for c in response.choices] == alone
     assert response.usage.completion_tokens == sum(s["generated_tokens"] for s in response.model_extra["speculative"])
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, n=2)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, n=2
+    )
     assert len(chat.choices) == 2 and chat.choices[1].index == 1
 
 
@@ -144,12 +173,16 @@ def test_concurrent_clients_get_what_they_get_alone(client, reference):
     expected = [reference.generate(p, max_new_tokens=8 + i, temperature=0)[0].text for i, p in enumerate(prompts)]
 
     def greedy(i: int) -> str:
-        return client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8 + i, temperature=0).choices[0].text
+        return (
+            client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8 + i, temperature=0).choices[0].text
+        )
 
     def sampled(i: int) -> str:
-        return client.completions.create(
-            model=MODEL, prompt=prompts[i], max_tokens=10, temperature=0.8, top_p=0.9, seed=i
-        ).choices[0].text
+        return (
+            client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=10, temperature=0.8, top_p=0.9, seed=i)
+            .choices[0]
+            .text
+        )
 
     with ThreadPoolExecutor(16) as pool:
         noise = [pool.submit(sampled, i) for i in range(len(prompts))]
@@ -175,7 +208,15 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": PROMPT, "n": 2, "stream": True}, 400, "n"),
     ({"model": MODEL, "prompt": PROMPT, "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": " ".join(["w1"] * 200)}, 400, "prompt"),  # over the 128-token context
-    ({"model": MODEL, "prompt": [999]}, 400, None),  # a token id outside the vocabulary
+    ({"model": MODEL, "prompt": [999]}, 400, "prompt"),  # a token id outside the vocabulary
+    ({"model": MODEL, "prompt": PROMPT, "seed": 2**64}, 400, "seed"),  # past what a generator takes
+    ({"model": MODEL, "prompt": PROMPT, "seed": 2**64 - 2, "n": 3}, 400, "seed"),  # choice 2's seed + 2 overflows
+    (
+        {"model": MODEL, "prompt": PROMPT, "speculative": {"num_speculative_tokens": -1}},
+        400,
+        "speculative.num_speculative_tokens",
+    ),
+    ({"model": MODEL, "prompt": PROMPT, "speculative": {"k": 2}}, 422, "speculative"),
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}, 422, "max_tokens"),
     ({"model": MODEL, "prompt": {"text": PROMPT}}, 422, "prompt"),
     ({"model": MODEL}, 422, "prompt"),
@@ -194,7 +235,9 @@ def test_bad_completion_requests_get_openai_errors(server, body, status, param):
 
 def test_bad_chat_requests_and_malformed_json(server, client):
     url = f"{server}/v1/chat/completions"
-    malformed = httpx.post(url, content=b'{"model": "tiny", "messages": [', headers={"content-type": "application/json"})
+    malformed = httpx.post(
+        url, content=b'{"model": "tiny", "messages": [', headers={"content-type": "application/json"}
+    )
     assert malformed.status_code == 400 and malformed.json()["error"]["code"] == "json_invalid"
     too_long = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": " ".join(["w1"] * 200)}]})
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
@@ -250,7 +293,9 @@ def check_metrics(server: str, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="w2 w1 w4 w2 w1", max_tokens=12, temperature=0)
     httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
     after = httpx.get(f"{server}/metrics").text
-    assert metric(after, "specdecode:generation_tokens_total") >= metric(before, "specdecode:generation_tokens_total") + 1
+    assert (
+        metric(after, "specdecode:generation_tokens_total") >= metric(before, "specdecode:generation_tokens_total") + 1
+    )
     latencies = "specdecode:e2e_request_latency_seconds_count"
     assert metric(after, latencies) == metric(before, latencies) + 1
     assert metric(after, "specdecode:num_requests_running") == 0
@@ -259,7 +304,9 @@ def check_metrics(server: str, client: openai.OpenAI) -> None:
     accepted = metric(after, "specdecode:spec_decode_num_accepted_tokens_total")
     assert drafted > 0
     assert metric(after, "specdecode:spec_decode_draft_acceptance_rate") == pytest.approx(accepted / drafted)
-    per_position = re.findall(r'^specdecode:spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} (\S+)$', after, re.M)
+    per_position = re.findall(
+        r'^specdecode:spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} (\S+)$', after, re.M
+    )
     assert per_position and sum(map(float, per_position)) == accepted
     errors = 'specdecode:request_errors_total{kind="invalid_request_error"}'
     assert metric(after, errors) == metric(before, errors) + 1
@@ -296,7 +343,11 @@ def test_chat_template_is_applied_when_the_tokenizer_has_one(tiny_model_dir, ref
     engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
     # a toy template: each message's words, then w0 w0 to open the assistant's turn
     engine.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w0 w0"
-    messages = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5"}, {"role": "user", "content": "w6"}]
+    messages = [
+        {"role": "user", "content": "w3 w4"},
+        {"role": "assistant", "content": "w5"},
+        {"role": "user", "content": "w6"},
+    ]
     expected = reference.generate("w3 w4 w5 w6 w0 w0", max_new_tokens=6, temperature=0)[0]
     with serving(create_app(engine, model_name=MODEL)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

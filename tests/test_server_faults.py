@@ -58,7 +58,9 @@ def greedy(client: openai.OpenAI, prompt: str, max_tokens: int = 12) -> str:
 def test_text_streams_while_the_request_is_still_running(engine, expected):
     gate = Gate(open_steps=2)
     with serving(create_app(engine, model_name=MODEL, faults=gate)) as url:
-        stream = new_client(url).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True)
+        stream = new_client(url).completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True
+        )
         chunks = iter(stream)
         first = next(chunks).choices[0].text
         # the engine is held after two steps: the request cannot have finished yet
@@ -101,7 +103,9 @@ def test_a_request_that_always_fails_fails_alone(engine, expected):
     with serving(create_app(engine, model_name=MODEL, faults=RandomFaults(poison=poisoned))) as url:
         client = new_client(url)
         with ThreadPoolExecutor(8) as pool:
-            bad = pool.submit(httpx.post, f"{url}/v1/completions", json={"model": MODEL, "prompt": poisoned}, timeout=30)
+            bad = pool.submit(
+                httpx.post, f"{url}/v1/completions", json={"model": MODEL, "prompt": poisoned}, timeout=30
+            )
             assert list(pool.map(lambda p: greedy(client, p), PROMPTS)) == [expected[p] for p in PROMPTS]
         assert bad.result().status_code == 500 and bad.result().json()["error"]["code"] == "engine_failure"
         assert greedy(client, PROMPTS[0]) == expected[PROMPTS[0]]
@@ -139,7 +143,9 @@ def test_a_request_in_too_many_crashes_fails_instead_of_looping(engine, expected
 def test_a_request_past_the_time_limit_gets_a_clear_error(engine):
     # a step takes 0.5 s, so 100 tokens (at most 5 a step) cannot be done within the 0.2 s limit
     with serving(create_app(engine, model_name=MODEL, max_request_seconds=0.2, faults=Gate(10**9, delay=0.5))) as url:
-        response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": LONG_RUNNING, "max_tokens": 100}, timeout=30)
+        response = httpx.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": LONG_RUNNING, "max_tokens": 100}, timeout=30
+        )
         assert response.status_code == 504 and response.json()["error"]["code"] == "request_timeout"
         assert "limit" in response.json()["error"]["message"]
 

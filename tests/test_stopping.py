@@ -1,11 +1,10 @@
 """Stopping: EOS (tokens accepted past it are dropped), stop strings, token budget."""
 
-from conftest import tiny_llama, tiny_tokenizer
+from helpers import hf_greedy, tiny_llama, tiny_tokenizer
 from specdecode import SpeculativeEngine
+from specdecode.core.stopping import StoppingCriteria
 from specdecode.drafters import ModelDrafter
-from specdecode.kv_cache import HFModelRunner
-from specdecode.stopping import StoppingCriteria
-from test_greedy import hf_greedy
+from specdecode.runners import HFModelRunner
 
 PROMPT = [3, 5, 7, 2]
 

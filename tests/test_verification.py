@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specdecode.sampling import SamplingParams, logits_to_probs
-from specdecode.verification import verify, verify_greedy
+from specdecode.core.sampling import SamplingParams, logits_to_probs
+from specdecode.core.verification import verify, verify_greedy
 
 
 def _probs(*rows):

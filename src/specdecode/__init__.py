@@ -1,6 +1,9 @@
 """specdecode: exact speculative decoding for Hugging Face causal language models."""
 
-from specdecode.engine import GenerationResult, SpeculativeEngine, speculative_decode
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.stats import GenerationStats
+from specdecode.drafters.factory import DrafterOptions
+from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import (
     InvalidArgumentError,
     ModelNotFoundError,
@@ -8,10 +11,9 @@ from specdecode.errors import (
     SpecDecodeError,
     VocabularyMismatchError,
 )
-from specdecode.sampling import SamplingParams
-from specdecode.stats import GenerationStats
 
 __all__ = [
+    "DrafterOptions",
     "GenerationResult",
     "GenerationStats",
     "InvalidArgumentError",
@@ -21,5 +23,4 @@ __all__ = [
     "SpecDecodeError",
     "SpeculativeEngine",
     "VocabularyMismatchError",
-    "speculative_decode",
 ]

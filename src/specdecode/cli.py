@@ -11,9 +11,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from specdecode.core.sampling import SamplingParams
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
-from specdecode.models import DEFAULT_TARGET
-from specdecode.sampling import SamplingParams
+from specdecode.loading import DEFAULT_TARGET
 
 app = typer.Typer(
     add_completion=False,
@@ -26,7 +26,9 @@ stderr = Console(stderr=True)
 # options that several commands share
 TargetOption = Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")]
 DraftOption = Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")]
-DrafterOption = Annotated[str, typer.Option(help="auto, model, prompt-lookup, self-quantized, cross-tokenizer or none.")]
+DrafterOption = Annotated[
+    str, typer.Option(help="auto, model, prompt-lookup, self-quantized, cross-tokenizer or none.")
+]
 KOption = Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
 DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
@@ -75,7 +77,8 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop at this string (repeatable).")] = None,
     chat: Annotated[
-        Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template \\[default: on if the model has one].")
+        Optional[bool],
+        typer.Option("--chat/--no-chat", help="Apply the chat template \\[default: on if the model has one]."),
     ] = None,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -125,20 +128,50 @@ def generate(
 
 @app.command()
 def bench(
-    quick: Annotated[bool, typer.Option(help="One prompt per Spec-Bench task, 32 tokens, k = 2 and 4: a few minutes.")] = False,
-    output_dir: Annotated[Optional[str], typer.Option(help="Folder for results.json, report.md and the plots \\[default: bench-results].")] = None,
+    quick: Annotated[
+        bool, typer.Option(help="One prompt per Spec-Bench task, 32 tokens, k = 2 and 4: a few minutes.")
+    ] = False,
+    output_dir: Annotated[
+        Optional[str], typer.Option(help="Folder for results.json, report.md and the plots \\[default: bench-results].")
+    ] = None,
     target: Annotated[Optional[str], typer.Option(help=f"Target model \\[default: {DEFAULT_TARGET}].")] = None,
-    draft: Annotated[Optional[list[str]], typer.Option(help="Draft model for the model drafter and HF assisted generation (repeatable).")] = None,
-    drafter: Annotated[Optional[list[str]], typer.Option(help="prompt-lookup and/or model (repeatable) \\[default: prompt-lookup, and model with --draft].")] = None,
-    k: Annotated[Optional[list[str]], typer.Option("-k", help="Tokens drafted per step, repeatable or comma-separated \\[default: 2,4,6].")] = None,
-    prompts: Annotated[Optional[str], typer.Option(help="JSONL prompts: Spec-Bench's question.jsonl or your own \\[default: the shipped subset].")] = None,
-    category: Annotated[Optional[list[str]], typer.Option(help="Only these categories (repeatable or comma-separated; mt-bench = its eight).")] = None,
-    prompts_per_category: Annotated[Optional[int], typer.Option(help="First N prompts of each category; 0 = all \\[default: 0].")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per prompt \\[default: 128].")] = None,
+    draft: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Draft model for the model drafter and HF assisted generation (repeatable)."),
+    ] = None,
+    drafter: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="prompt-lookup and/or model (repeatable) \\[default: prompt-lookup, and model with --draft]."
+        ),
+    ] = None,
+    k: Annotated[
+        Optional[list[str]],
+        typer.Option("-k", help="Tokens drafted per step, repeatable or comma-separated \\[default: 2,4,6]."),
+    ] = None,
+    prompts: Annotated[
+        Optional[str],
+        typer.Option(help="JSONL prompts: Spec-Bench's question.jsonl or your own \\[default: the shipped subset]."),
+    ] = None,
+    category: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Only these categories (repeatable or comma-separated; mt-bench = its eight)."),
+    ] = None,
+    prompts_per_category: Annotated[
+        Optional[int], typer.Option(help="First N prompts of each category; 0 = all \\[default: 0].")
+    ] = None,
+    max_new_tokens: Annotated[
+        Optional[int], typer.Option(help="Most tokens to generate per prompt \\[default: 128].")
+    ] = None,
     temperature: Annotated[Optional[float], typer.Option(help="0 = greedy \\[default: 0].")] = None,
     runs: Annotated[Optional[int], typer.Option(help="Passes over the prompts \\[default: 1].")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed of the system order and of sampling \\[default: 0].")] = None,
-    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template \\[default: on if the model has one].")] = None,
+    seed: Annotated[
+        Optional[int], typer.Option(help="Seed of the system order and of sampling \\[default: 0].")
+    ] = None,
+    chat: Annotated[
+        Optional[bool],
+        typer.Option("--chat/--no-chat", help="Apply the chat template \\[default: on if the model has one]."),
+    ] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda \\[default: auto].")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 \\[default: auto].")] = None,
 ) -> None:
@@ -147,9 +180,22 @@ def bench(
 
     with user_errors():
         config = BenchConfig.create(
-            quick, target=target, drafts=draft, drafters=drafter, k_values=k, prompts=prompts, categories=category,
-            prompts_per_category=prompts_per_category, max_new_tokens=max_new_tokens, temperature=temperature,
-            runs=runs, seed=seed, chat=chat, device=device, dtype=dtype, output_dir=output_dir,
+            quick,
+            target=target,
+            drafts=draft,
+            drafters=drafter,
+            k_values=k,
+            prompts=prompts,
+            categories=category,
+            prompts_per_category=prompts_per_category,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            runs=runs,
+            seed=seed,
+            chat=chat,
+            device=device,
+            dtype=dtype,
+            output_dir=output_dir,
         )
         result = run_benchmark(config, stderr)
         files = write_outputs(result, config.output_dir)
@@ -194,9 +240,13 @@ def _comparison_line(comparison: dict) -> str:
 
 @app.command()
 def profile(
-    target: Annotated[str, typer.Option(help="Model to profile: short name, folder, .gguf file or Hub id.")] = DEFAULT_TARGET,
+    target: Annotated[
+        str, typer.Option(help="Model to profile: short name, folder, .gguf file or Hub id.")
+    ] = DEFAULT_TARGET,
     draft: Annotated[Optional[str], typer.Option(help="Also profile this draft model.")] = None,
-    runner: Annotated[str, typer.Option(help="auto, fast, transformers, or both (fast and transformers side by side).")] = "both",
+    runner: Annotated[
+        str, typer.Option(help="auto, fast, transformers, or both (fast and transformers side by side).")
+    ] = "both",
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     quantize: Annotated[Optional[str], typer.Option(help="int8: weight-only int8 layers (fast runner).")] = None,
@@ -204,9 +254,9 @@ def profile(
     repeats: Annotated[int, typer.Option(help="Timed forwards per size (the median is shown).")] = 7,
 ) -> None:
     """Time cached forwards over 1-16 new tokens beside the memory-bandwidth and compute floors."""
-    from specdecode.kv_cache import runner_for
-    from specdecode.models import load_model
-    from specdecode.profiling import measure_hardware, profile_forward, render_table
+    from specdecode.bench.profiler import measure_hardware, profile_forward, render_table
+    from specdecode.loading import load_model
+    from specdecode.runners import runner_for
 
     console = Console()
     with user_errors():
@@ -235,7 +285,7 @@ def profile(
 
 
 def _fast_supported(model) -> bool:
-    from specdecode import fast_llama
+    from specdecode.runners import fast_llama
 
     return fast_llama.supports(model)
 
@@ -276,8 +326,14 @@ def serve(
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
             engine = SpeculativeEngine.from_pretrained(target, draft, drafter, k, device, dtype)
     server_app = create_app(
-        engine, target, api_key, max_waiting, max_batch_size=max_batch_size,
-        max_request_seconds=max_request_seconds, faults=faults, start_worker=False,
+        engine,
+        target,
+        api_key,
+        max_waiting,
+        max_batch_size=max_batch_size,
+        max_request_seconds=max_request_seconds,
+        faults=faults,
+        start_worker=False,
     )
     stderr.print(f"serving {target} on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""))
     with user_errors():
@@ -297,7 +353,8 @@ def _fault_injector(spec: str):
 @app.command()
 def loadtest(
     url: Annotated[
-        Optional[str], typer.Option(help="A running server's URL (http://HOST:PORT, with or without /v1); default: start one.")
+        Optional[str],
+        typer.Option(help="A running server's URL (http://HOST:PORT, with or without /v1); default: start one."),
     ] = None,
     target: Annotated[str, typer.Option(help="Model of the server started here (without --url).")] = DEFAULT_TARGET,
     concurrency: Annotated[str, typer.Option(help="Concurrent clients per level, comma-separated.")] = "1,4,8,16",
@@ -310,12 +367,14 @@ def loadtest(
     ] = None,
     max_batch_size: Annotated[int, typer.Option(help="Server started here: requests decoded together.")] = 16,
     dtype: Annotated[str, typer.Option(help="Server started here: auto, float32, bfloat16 or float16.")] = "auto",
-    prompts: Annotated[Optional[str], typer.Option(help="JSONL prompts [default: the shipped Spec-Bench subset].")] = None,
+    prompts: Annotated[
+        Optional[str], typer.Option(help="JSONL prompts [default: the shipped Spec-Bench subset].")
+    ] = None,
     output: Annotated[Optional[str], typer.Option(help="Write the results as JSON to this file.")] = None,
 ) -> None:
     """Throughput and latency percentiles of an OpenAI-compatible server at several concurrency levels."""
+    from specdecode.bench.loadtest import print_level, run_loadtest, server_metrics, started_server
     from specdecode.bench.prompts import load_prompts
-    from specdecode.server.loadtest import print_level, run_loadtest, server_metrics, started_server
 
     with user_errors():
         levels = _positive_ints(concurrency, "--concurrency")

@@ -1,12 +1,17 @@
 """Errors a user can fix. Each message says what was wrong and how to fix it.
 
-They subclass ValueError so library callers can catch them with plain Python;
-the CLI prints their message on one line and exits with status 2.
+They subclass ValueError so library callers can catch them with plain Python; the CLI
+prints their message on one line and exits with status 2, and the server answers them
+with a 400 whose `param` is the error's `param` (the argument at fault, when there is one).
 """
 
 
 class SpecDecodeError(ValueError):
     """Base class of every error caused by the user's input or setup."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param  # the argument at fault, by its API name (max_new_tokens, temperature, ...)
 
 
 class InvalidArgumentError(SpecDecodeError):

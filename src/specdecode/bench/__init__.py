@@ -6,7 +6,7 @@ perplexity) -> metrics (tables' numbers) -> report and plots (results.json, repo
 """
 
 from specdecode.bench.config import BenchConfig
+from specdecode.bench.harness import BenchResult, run_benchmark
 from specdecode.bench.report import overall_table, write_outputs
-from specdecode.bench.runner import BenchResult, run_benchmark
 
 __all__ = ["BenchConfig", "BenchResult", "overall_table", "run_benchmark", "write_outputs"]

@@ -11,9 +11,9 @@ import shlex
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from specdecode.core.sampling import SamplingParams
 from specdecode.errors import InvalidArgumentError
-from specdecode.models import DEFAULT_TARGET
-from specdecode.sampling import SamplingParams
+from specdecode.loading import DEFAULT_TARGET
 
 BENCH_DRAFTERS = ("prompt-lookup", "model")
 
@@ -142,4 +142,6 @@ def _k_values(values: tuple) -> tuple[int, ...]:
     try:
         return tuple(sorted({int(k) for k in values}))
     except ValueError:
-        raise InvalidArgumentError(f"-k takes whole numbers, like -k 2,4 or -k 2 -k 4; got {', '.join(values)}") from None
+        raise InvalidArgumentError(
+            f"-k takes whole numbers, like -k 2,4 or -k 2 -k 4; got {', '.join(values)}"
+        ) from None

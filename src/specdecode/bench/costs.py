@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import Drafter
-from specdecode.kv_cache import CachedSequence, ModelRunner
-from specdecode.sampling import SamplingParams
+from specdecode.runners import CachedSequence, ModelRunner
 
 ROUNDS = 7  # timed calls of each kind, after one untimed; the median resists a noisy neighbour
 

@@ -14,7 +14,7 @@ import torch
 def describe_environment(device: torch.device, dtype: torch.dtype, target_runner: str) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": _cpu_name(),

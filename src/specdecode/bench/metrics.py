@@ -49,9 +49,7 @@ class Row:
         return asdict(self)
 
 
-def summarize(
-    measurements: list[Measurement], specs: list[SystemSpec], costs: ForwardCosts, greedy: bool
-) -> list[Row]:
+def summarize(measurements: list[Measurement], specs: list[SystemSpec], costs: ForwardCosts, greedy: bool) -> list[Row]:
     """One row per system and category, then per system over all categories."""
     categories = [*dict.fromkeys(m.category for m in measurements), ALL]
     rows = []
@@ -64,16 +62,21 @@ def summarize(
     return rows
 
 
-def _row(
-    spec: SystemSpec, category: str, chosen: list[Measurement], costs: ForwardCosts, greedy: bool
-) -> Row:
+def _row(spec: SystemSpec, category: str, chosen: list[Measurement], costs: ForwardCosts, greedy: bool) -> Row:
     new_tokens = sum(m.new_tokens for m in chosen)
     wall_time = sum(m.wall_time_s for m in chosen)
     per_token_ms = [1000 * m.time_per_token_s for m in chosen]
     row = Row(
-        spec.name, spec.group, category, spec.k, len(chosen), new_tokens, wall_time,
+        spec.name,
+        spec.group,
+        category,
+        spec.k,
+        len(chosen),
+        new_tokens,
+        wall_time,
         new_tokens / wall_time if wall_time > 0 else 0.0,
-        float(np.percentile(per_token_ms, 50)), float(np.percentile(per_token_ms, 90)),
+        float(np.percentile(per_token_ms, 50)),
+        float(np.percentile(per_token_ms, 90)),
     )
     if greedy:
         row.greedy_identical = sum(m.first_difference is None for m in chosen) / len(chosen)

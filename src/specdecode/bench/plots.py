@@ -31,7 +31,9 @@ def speedup_by_category(rows: list[Row], specs: list[SystemSpec], path: Path) ->
     """
     categories = list(dict.fromkeys(r.category for r in rows))
     pairs = list(dict.fromkeys(s.on(ENGINE) for s in specs if s.group != "a"))  # (a) is the line at 1
-    bars = sorted((s for s in specs if s.group != "a"), key=lambda s: (pairs.index(s.on(ENGINE)), s.framework == ENGINE))
+    bars = sorted(
+        (s for s in specs if s.group != "a"), key=lambda s: (pairs.index(s.on(ENGINE)), s.framework == ENGINE)
+    )
     value = {(r.system, r.category): r.speedup_vs_a or 0.0 for r in rows}
     width = 0.8 / max(len(bars), 1)
     figure = Figure(figsize=(max(7.0, 1.0 * len(categories) + 0.3 * len(bars)) + 3.0, 4.8), layout="constrained")
@@ -39,8 +41,16 @@ def speedup_by_category(rows: list[Row], specs: list[SystemSpec], path: Path) ->
     for i, spec in enumerate(bars):
         offsets = [c + (i - (len(bars) - 1) / 2) * width for c in range(len(categories))]
         heights = [value.get((spec.name, c), 0.0) for c in categories]
-        axes.bar(offsets, heights, width, label=spec.name, color=f"C{pairs.index(spec.on(ENGINE)) % 10}",
-                 hatch="///" if spec.framework == HF else None, edgecolor="white", linewidth=0.5)
+        axes.bar(
+            offsets,
+            heights,
+            width,
+            label=spec.name,
+            color=f"C{pairs.index(spec.on(ENGINE)) % 10}",
+            hatch="///" if spec.framework == HF else None,
+            edgecolor="white",
+            linewidth=0.5,
+        )
     axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="(a) hf target-only")
     axes.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
     axes.set_ylabel("speedup over transformers generate (a)")
@@ -80,12 +90,22 @@ def tokens_per_second_vs_k(rows: list[Row], specs: list[SystemSpec], path: Path)
     for series in dict.fromkeys(s.series for s in speculative):
         members = [s for s in speculative if s.series == series]
         points = sorted((s.k, overall[s.name].tokens_per_second) for s in members)
-        axes.plot(*zip(*points), "--" if members[0].framework == HF else "-", marker="o", label=series,
-                  color=f"C{drafters.index(members[0].on(ENGINE).series) % 10}")
+        axes.plot(
+            *zip(*points),
+            "--" if members[0].framework == HF else "-",
+            marker="o",
+            label=series,
+            color=f"C{drafters.index(members[0].on(ENGINE).series) % 10}",
+        )
     for spec in (s for s in specs if not s.speculative):
         style = "--" if spec.framework == HF else "-"
-        axes.axhline(overall[spec.name].tokens_per_second, color="gray", linestyle=style, linewidth=1,
-                     label=f"({spec.group}) {spec.name}")
+        axes.axhline(
+            overall[spec.name].tokens_per_second,
+            color="gray",
+            linestyle=style,
+            linewidth=1,
+            label=f"({spec.group}) {spec.name}",
+        )
     axes.set_xlabel("k (tokens drafted per step)")
     axes.set_ylabel("tokens/s (all categories)")
     axes.xaxis.get_major_locator().set_params(integer=True)
@@ -94,4 +114,3 @@ def tokens_per_second_vs_k(rows: list[Row], specs: list[SystemSpec], path: Path)
     axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.savefig(path, dpi=DPI)
     return path
-

@@ -67,9 +67,7 @@ def _expand_categories(categories: tuple[str, ...], available: list[str]) -> lis
         else:
             names = [category] if category in available else []
         if not names:
-            raise InvalidArgumentError(
-                f"unknown category '{category}'; the prompt file has: {', '.join(available)}"
-            )
+            raise InvalidArgumentError(f"unknown category '{category}'; the prompt file has: {', '.join(available)}")
         wanted += [n for n in names if n not in wanted]
     return wanted
 

@@ -57,8 +57,13 @@ def compare_greedy(
         context = prompt_ids[m.prompt_id] + expected[:position]
         differences.append(
             Difference(
-                m.system, m.prompt_id, m.category, m.run, position,
-                _token_at(expected, position), _token_at(m.token_ids, position),
+                m.system,
+                m.prompt_id,
+                m.category,
+                m.run,
+                position,
+                _token_at(expected, position),
+                _token_at(m.token_ids, position),
                 top_two_logits(model, tokenizer, context),
             )
         )
@@ -83,9 +88,7 @@ def top_two_logits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
     ]
 
 
-def add_perplexities(
-    measurements: list[Measurement], prompt_ids: dict[str, list[int]], model: PreTrainedModel
-) -> None:
+def add_perplexities(measurements: list[Measurement], prompt_ids: dict[str, list[int]], model: PreTrainedModel) -> None:
     """Set each measurement's perplexity; equal outputs of the same prompt are scored once."""
     scored: dict[tuple, float | None] = {}
     for m in measurements:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from specdecode.bench.costs import ROUNDS
 from specdecode.bench.environment import summary_line
+from specdecode.bench.harness import BenchResult
 from specdecode.bench.metrics import ALL, Row
 from specdecode.bench.plots import write_plots
-from specdecode.bench.runner import BenchResult
 
 GROUPS = {
     "a": "transformers `generate`, target only (greedy, or sampling at the same temperature)",
@@ -141,8 +141,18 @@ def _differences(result: BenchResult) -> str:
         # json.dumps shows spaces and newlines; a | would end the table cell
         top = [f"{t['token']} {json.dumps(t['text'])} ({t['logit']:.4f})".replace("|", "\\|") for t in d.top_two]
         lines.append(
-            _row_line([d.system, d.prompt_id, str(d.run), str(d.position), str(d.reference_token),
-                       str(d.system_token), *top, f"{d.logit_gap:.2e}"])
+            _row_line(
+                [
+                    d.system,
+                    d.prompt_id,
+                    str(d.run),
+                    str(d.position),
+                    str(d.reference_token),
+                    str(d.system_token),
+                    *top,
+                    f"{d.logit_gap:.2e}",
+                ]
+            )
         )
     return "\n".join(lines)
 
@@ -177,19 +187,21 @@ def _definitions(greedy: bool) -> str:
         else "perplexity: exp of the target's mean negative log-likelihood of the generated tokens (temperature 1), "
         "averaged over outputs; systems that sample the target's distribution score alike on average."
     )
-    return "\n".join([
-        "## Definitions",
-        "",
-        "- tok/s: new tokens over wall time (prefill included), summed over prompts; vs (x): the ratio of tok/s "
-        "on the same prompts; (b) is matched by drafter and k.",
-        "- acceptance: accepted / drafted tokens; alpha: the chance a draft token is accepted when all before it "
-        "were (drafts after a rejection are not tested); tokens/forward: new tokens per target forward.",
-        "- ms/token p50, p90: percentiles over generations of wall time / new tokens.",
-        "- predicted vs (c): Leviathan et al.'s expected tokens per step (1 - alpha^(k+1)) / (1 - alpha), times the "
-        "measured 1-token target forward, over the measured step cost (one proposal of k tokens plus one target "
-        "forward of k + 1 tokens); measured/predicted compares it with the measured speedup over (c).",
-        f"- {quality}",
-    ])
+    return "\n".join(
+        [
+            "## Definitions",
+            "",
+            "- tok/s: new tokens over wall time (prefill included), summed over prompts; vs (x): the ratio of tok/s "
+            "on the same prompts; (b) is matched by drafter and k.",
+            "- acceptance: accepted / drafted tokens; alpha: the chance a draft token is accepted when all before it "
+            "were (drafts after a rejection are not tested); tokens/forward: new tokens per target forward.",
+            "- ms/token p50, p90: percentiles over generations of wall time / new tokens.",
+            "- predicted vs (c): Leviathan et al.'s expected tokens per step (1 - alpha^(k+1)) / (1 - alpha), times the "
+            "measured 1-token target forward, over the measured step cost (one proposal of k tokens plus one target "
+            "forward of k + 1 tokens); measured/predicted compares it with the measured speedup over (c).",
+            f"- {quality}",
+        ]
+    )
 
 
 def _fmt(value, spec: str) -> str:

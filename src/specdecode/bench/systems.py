@@ -11,7 +11,6 @@ comparison covers prefill, decoding and all per-step overhead alike.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,11 +18,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specdecode.core.stats import GenerationStats
+from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.engine import SpeculativeEngine
-from specdecode.kv_cache import runner_for
-from specdecode.models import check_same_vocabulary, load_model
-from specdecode.stats import GenerationStats
+from specdecode.loading import check_same_vocabulary, load_model
+from specdecode.runners import runner_for
 
 HF, ENGINE = "hf", "specdecode"
 
@@ -150,15 +149,9 @@ def build_systems(
         if spec.framework == HF:
             systems.append(HFSystem(spec, engine, draft_models.get(spec.draft), lookup.max_ngram))
         else:
-            systems.append(EngineSystem(spec, engine_with(engine, drafter, spec.k)))
+            # fixed k, so that k is what is measured
+            systems.append(EngineSystem(spec, engine.with_drafter(drafter, spec.k)))
     return systems
-
-
-def engine_with(engine: SpeculativeEngine, drafter: Drafter | None, k: int) -> SpeculativeEngine:
-    """The loaded engine with another drafter and k; target, tokenizer and stopping are shared."""
-    view = copy.copy(engine)
-    view.drafter, view.num_speculative_tokens = drafter, k
-    return view
 
 
 def load_draft(name: str, engine: SpeculativeEngine, device: str, dtype: str) -> PreTrainedModel:

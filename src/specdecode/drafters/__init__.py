@@ -1,6 +1,6 @@
 """Drafters propose tokens for the target to verify; see base.Drafter for the interface."""
 
-from specdecode.drafters.auto import AutoDrafter
+from specdecode.drafters.auto import AutoDrafter, candidates_of
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.model import ModelDrafter
@@ -14,5 +14,6 @@ __all__ = [
     "Drafter",
     "ModelDrafter",
     "PromptLookupDrafter",
+    "candidates_of",
     "self_quantized_drafter",
 ]

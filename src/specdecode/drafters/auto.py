@@ -1,44 +1,29 @@
-"""Several drafters behind one: each step, the first candidate that proposes anything drafts.
+"""Several drafters behind one name: each step, the first candidate that proposes drafts.
 
-Candidates come cheapest first (prompt lookup before a draft model). Wrapped in
-`adaptive.AdaptiveDrafter`, each measures its own acceptance and cost and proposes nothing
-while it does not pay, so the next candidate, or target-only decoding, takes over.
+Candidates come cheapest first (prompt lookup before a draft model). The decoder chooses
+each candidate's k from that candidate's own measured acceptance and cost (core/adaptive.py),
+so a candidate that does not pay proposes nothing and the next one, or target-only
+decoding, takes over. `AutoDrafter` only names the candidates; the decoder runs them.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import torch
-
-from specdecode.drafters.base import Draft, Drafter
-from specdecode.sampling import SamplingParams
+from specdecode.drafters.base import Drafter
 
 
 class AutoDrafter:
     name = "auto"
 
     def __init__(self, candidates: list[Drafter]):
-        self.candidates = candidates
-        self._last: Drafter | None = None  # the candidate whose draft is being verified
-        policies = {getattr(c, "k_policy", "fixed") for c in candidates}
-        self.k_policy = policies.pop() if len(policies) == 1 else "mixed"
+        self.candidates = tuple(candidates)
+        self.per_sequence = all(c.per_sequence for c in self.candidates)
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        for candidate in self.candidates:
-            candidate.begin(prompt_ids)
+    def fork(self) -> AutoDrafter:
+        return AutoDrafter([c.fork() for c in self.candidates])
 
-    def propose(
-        self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
-        self._last = None
-        for candidate in self.candidates:
-            draft = candidate.propose(token_ids, k, params, generator)
-            if len(draft):
-                self._last = candidate
-                return replace(draft, source=candidate.name)
-        return Draft.empty()
 
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        if self._last is not None:
-            self._last.observe(num_drafted, num_accepted)
+def candidates_of(drafter: Drafter | AutoDrafter | None) -> tuple[Drafter, ...]:
+    """The drafters a sequence tries each step, in order."""
+    if drafter is None:
+        return ()
+    return drafter.candidates if isinstance(drafter, AutoDrafter) else (drafter,)

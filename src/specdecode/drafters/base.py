@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from specdecode.sampling import SamplingParams
+from specdecode.core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,16 @@ class Draft:
 
 class Drafter(Protocol):
     """One-hot drafters (probs None) must draft deterministically from token_ids alone:
-    then q is the point mass on their token and the accept/reject rule stays exact."""
+    then q is the point mass on their token and the accept/reject rule stays exact.
+
+    k is chosen by the decoder (decoder.py), never by a drafter. Capabilities are declared:
+    `per_sequence` drafters give each sequence of a batch a state of its own with `fork()`;
+    the others hold one shared state (a draft model's cache), so the decoder runs them on
+    batches of one sequence.
+    """
 
     name: str
+    per_sequence: bool
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new sequence starts with these prompt tokens."""
@@ -44,3 +51,6 @@ class Drafter(Protocol):
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """How many of the last proposal's tokens the target accepted."""
+
+    def fork(self) -> Drafter:
+        """A drafter with the same settings for one more sequence (only if per_sequence)."""

@@ -11,15 +11,16 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specdecode.core.sampling import SamplingParams
 from specdecode.drafters.base import Draft
-from specdecode.kv_cache import CachedSequence, ModelRunner
-from specdecode.sampling import SamplingParams
+from specdecode.runners import CachedSequence, ModelRunner
 
 TAIL_TOKENS = 4  # target tokens re-encoded with the draft text, so a word split at the boundary merges
 
 
 class CrossTokenizerDrafter:
     name = "cross-tokenizer"
+    per_sequence = False  # one draft model cache, shared: batches of one sequence
 
     def __init__(
         self,
@@ -35,9 +36,7 @@ class CrossTokenizerDrafter:
     def begin(self, prompt_ids: list[int]) -> None:
         self._cached = CachedSequence(self.runner)
 
-    def propose(
-        self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         if k <= 0:
             return Draft.empty()
         text = self.target_tokenizer.decode(token_ids)
@@ -64,9 +63,10 @@ class CrossTokenizerDrafter:
         if not new_text:
             return []
         tail = token_ids[-TAIL_TOKENS:]
-        joined = self.target_tokenizer.encode(
-            self.target_tokenizer.decode(tail) + new_text, add_special_tokens=False
-        )
+        joined = self.target_tokenizer.encode(self.target_tokenizer.decode(tail) + new_text, add_special_tokens=False)
         if joined[: len(tail)] == tail:
             return joined[len(tail) :]
         return self.target_tokenizer.encode(new_text, add_special_tokens=False)
+
+    def fork(self) -> CrossTokenizerDrafter:
+        raise TypeError(f"the {self.name} drafter holds one draft-model cache; it cannot be forked")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.drafters.base import Draft
-from specdecode.kv_cache import CachedSequence, ModelRunner
-from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.runners import CachedSequence, ModelRunner
 
 
 class ModelDrafter:
     name = "model"
+    per_sequence = False  # one draft model cache, shared: batches of one sequence
 
     def __init__(self, runner: ModelRunner, min_confidence: float = 0.0, name: str | None = None):
         """min_confidence: stop drafting after a token whose untempered draft probability is below it."""
@@ -22,9 +23,7 @@ class ModelDrafter:
     def begin(self, prompt_ids: list[int]) -> None:
         self._cached = CachedSequence(self.runner)
 
-    def propose(
-        self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
@@ -42,3 +41,6 @@ class ModelDrafter:
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         pass  # the cache rolls itself back on the next proposal
+
+    def fork(self) -> ModelDrafter:
+        raise TypeError(f"the {self.name} drafter holds one draft-model cache; it cannot be forked")

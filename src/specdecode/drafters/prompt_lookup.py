@@ -8,15 +8,16 @@ import copy
 
 import torch
 
+from specdecode.core.sampling import SamplingParams
 from specdecode.drafters.base import Draft
 from specdecode.errors import InvalidArgumentError
-from specdecode.sampling import SamplingParams
 
 SEPARATOR = -1  # between requests in the history; equals no token, so no match spans two requests
 
 
 class PromptLookupDrafter:
     name = "prompt-lookup"
+    per_sequence = True
 
     def __init__(
         self,
@@ -53,9 +54,7 @@ class PromptLookupDrafter:
             self._history = joined[-self.history_tokens :]
         self._last = []
 
-    def propose(
-        self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         self._last = token_ids
         k = min(k, self.max_continuation or k)
         if k <= 0:

@@ -14,17 +14,16 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from specdecode import fast_llama
 from specdecode.drafters.model import ModelDrafter
 from specdecode.errors import InvalidArgumentError
-from specdecode.kv_cache import HFModelRunner, runner_for
-from specdecode.quantization import projection
+from specdecode.runners import HFModelRunner, fast_llama, runner_for
+from specdecode.runners.projection import projection
 
 QUANTIZATIONS = ("bfloat16", "int8")
 
 
 class Int8Linear(nn.Module):
-    """An nn.Linear stand-in whose weight is weight-only int8 (quantization.Projection)."""
+    """An nn.Linear stand-in whose weight is weight-only int8 (runners.projection.Projection)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -28,8 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import PromptTooLongError, SpecDecodeError
 from specdecode.server import schemas
-from specdecode.server.metrics import ServerMetrics
 from specdecode.server.faults import StepHook
+from specdecode.server.metrics import ServerMetrics
 from specdecode.server.worker import (
     EngineWorker,
     GenerationRequest,
@@ -41,7 +41,12 @@ from specdecode.server.worker import (
 
 MAX_STOP_STRINGS = 4  # as OpenAI allows
 MAX_CHOICES = 8  # n, choices per request
-DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
+DISCONNECT_POLL_S = 0.5
+# the engine's argument names that the API spells differently
+API_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "num_speculative_tokens": "speculative.num_speculative_tokens",
+}  # how often a waiting non-streaming request checks that its client is still there
 
 
 class APIError(Exception):
@@ -157,16 +162,23 @@ def create_app(
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name)
         if body.stream:
             (handle,) = handles
+
             def chunk(text: str, reason: str | None = None) -> schemas.CompletionResponse:
-                return schemas.CompletionResponse(**head, choices=[schemas.CompletionChoice(text=text, finish_reason=reason)])
+                return schemas.CompletionResponse(
+                    **head, choices=[schemas.CompletionChoice(text=text, finish_reason=reason)]
+                )
 
             def tail(result: GenerationResult) -> list[BaseModel]:
-                usage = schemas.CompletionResponse(**head, choices=[], usage=_usage(result), speculative=result.stats.to_dict())
+                usage = schemas.CompletionResponse(
+                    **head, choices=[], usage=_usage(result), speculative=result.stats.to_dict()
+                )
                 return [chunk("", result.finish_reason)] + ([usage] if _wants_usage(body) else [])
 
             return await stream(handle, http, "prompt", [], chunk, tail)
         results = await outcomes(handles, http, "prompt")
-        choices = [schemas.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)]
+        choices = [
+            schemas.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)
+        ]
         return schemas.CompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
 
     @v1.post("/chat/completions")
@@ -181,12 +193,17 @@ def create_app(
         head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name)
         if body.stream:
             (handle,) = handles
-            def chunk(text: str | None, reason: str | None = None, role: str | None = None) -> schemas.ChatCompletionChunk:
+
+            def chunk(
+                text: str | None, reason: str | None = None, role: str | None = None
+            ) -> schemas.ChatCompletionChunk:
                 choice = schemas.ChatChunkChoice(delta=schemas.Delta(role=role, content=text), finish_reason=reason)
                 return schemas.ChatCompletionChunk(**head, choices=[choice])
 
             def tail(result: GenerationResult) -> list[BaseModel]:
-                usage = schemas.ChatCompletionChunk(**head, choices=[], usage=_usage(result), speculative=result.stats.to_dict())
+                usage = schemas.ChatCompletionChunk(
+                    **head, choices=[], usage=_usage(result), speculative=result.stats.to_dict()
+                )
                 return [chunk(None, result.finish_reason)] + ([usage] if _wants_usage(body) else [])
 
             # OpenAI opens a chat stream with the role
@@ -196,7 +213,9 @@ def create_app(
             schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
             for i, r in enumerate(results)
         ]
-        return schemas.ChatCompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
+        return schemas.ChatCompletionResponse(
+            **head, choices=choices, usage=_usage(*results), speculative=_stats(results)
+        )
 
     def _generation_requests(
         body: schemas._Request, prompt: str | list[int], max_tokens: int, templated: bool = False
@@ -214,19 +233,32 @@ def create_app(
             message = f"max_tokens must be in [1, {context_length}] (the context length), got {max_tokens}"
             raise APIError(400, message, param="max_tokens")
         temperature = 1.0 if body.temperature is None else body.temperature
-        if not 0.0 <= temperature <= 2.0:
+        if temperature > 2.0:  # OpenAI's bound; the engine checks the rest
             raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
-        if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
-            raise APIError(400, f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
-        if body.top_k is not None and body.top_k < 1 and body.top_k != -1:
-            raise APIError(400, f"top_k must be a positive integer (or -1: off), got {body.top_k}", param="top_k")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
-        top_k = None if body.top_k == -1 else body.top_k
+        top_k = None if body.top_k == -1 else body.top_k  # vLLM's "off"
+        k = body.speculative.num_speculative_tokens if body.speculative is not None else None
         seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
+        for seed in seeds:  # the engine's own checks, answered now rather than from the queue
+            try:
+                engine.settings(max_tokens, temperature, top_k, body.top_p, seed, stop or None, k)
+            except SpecDecodeError as error:
+                raise APIError(400, str(error), param=API_NAMES.get(error.param, error.param)) from None
         return [
-            GenerationRequest(prompt, max_tokens, temperature, body.top_p, top_k, seed, stop, templated, stream=body.stream)
+            GenerationRequest(
+                prompt,
+                max_tokens,
+                temperature,
+                body.top_p,
+                top_k,
+                seed,
+                stop,
+                num_speculative_tokens=k,
+                templated=templated,
+                stream=body.stream,
+            )
             for seed in seeds
         ]
 
@@ -431,7 +463,7 @@ def _engine_error(error: BaseException, prompt_param: str) -> APIError:
     if isinstance(error, PromptTooLongError):
         return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
     if isinstance(error, SpecDecodeError):
-        return APIError(400, str(error))
+        return APIError(400, str(error), param=API_NAMES.get(error.param, error.param))
     if isinstance(error, RequestTimeoutError):
         return APIError(504, str(error), type="timeout_error", code="request_timeout")
     return APIError(500, f"the engine failed on this request: {error!r}", type="server_error", code="engine_failure")

@@ -53,7 +53,10 @@ class ServerMetrics:
             "specdecode:engine_worker_restarts", "Times the engine thread died and was restarted.", registry=r
         )
         self.requests_finished = Counter(
-            "specdecode:request_success", "Requests finished, by finish reason (abort: the client went away).", ["finished_reason"], registry=r
+            "specdecode:request_success",
+            "Requests finished, by finish reason (abort: the client went away).",
+            ["finished_reason"],
+            registry=r,
         )
         self.errors = Counter(
             "specdecode:request_errors", "Requests answered with an error, by kind.", ["kind"], registry=r

@@ -16,6 +16,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SpeculativeOptions(BaseModel):
+    """Ours: this request's speculation, within what the server loaded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_speculative_tokens: int | None = None  # most draft tokens per step; 0: target-only
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -29,6 +37,7 @@ class _Request(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    speculative: SpeculativeOptions | None = None  # the response's `speculative` holds the stats
 
 
 class CompletionRequest(_Request):

@@ -3,7 +3,7 @@
 The app calls `submit` (answers at once with a RequestHandle, or raises QueueFullError or
 ShuttingDownError) and `stop`; `run` (or `start`, in a new thread) runs the engine loop. One
 thread runs the engine, which is not thread-safe (KV caches, drafters, step costs, the tokenizer): it admits queued requests
-into free batch slots, steps the BatchDecoder, streams each request's new text to its
+into free batch slots, steps the engine's Decoder, streams each request's new text to its
 handle, and completes the requests that finish.
 
 Faults. A failed step is retried with exponential backoff; if it keeps failing, each of its
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from specdecode.batching import BatchSequence
-from specdecode.engine import GenerationResult, SpeculativeEngine
+from specdecode.decoder import Sequence
+from specdecode.engine import GenerationResult, SpeculativeEngine, make_generator
 from specdecode.server.faults import StepHook
 from specdecode.server.metrics import ServerMetrics
 
@@ -64,6 +64,7 @@ class GenerationRequest:
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    num_speculative_tokens: int | None = None  # this request's most k (None: the engine's)
     templated: bool = False  # the prompt is a rendered chat template: its special tokens are in the text
     stream: bool = False  # publish the text as it is generated
     arrival: float = field(default_factory=time.perf_counter)
@@ -110,7 +111,8 @@ class EngineWorker:
     ):
         self.engine, self.metrics, self.faults = engine, metrics, faults
         self.max_waiting, self.max_request_seconds = max_waiting, max_request_seconds
-        self.decoder = engine.batch_decoder(max_batch_size)
+        self.decoder = engine.decoder
+        self.decoder.capacity = engine.batch_capacity(max_batch_size)
         self._queue: queue.Queue[RequestHandle] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._stopping = False
@@ -184,7 +186,9 @@ class EngineWorker:
         for seq in list(self.decoder.active):
             seq.tag.crashes += 1
             if seq.tag.crashes >= MAX_CRASHES:
-                self._fail(seq, WorkerCrashedError(f"the engine worker crashed {MAX_CRASHES} times during this request"))
+                self._fail(
+                    seq, WorkerCrashedError(f"the engine worker crashed {MAX_CRASHES} times during this request")
+                )
         self.decoder.reset()  # a crash may leave half-written caches: re-run every accepted token
 
     def _admit(self) -> None:
@@ -207,18 +211,23 @@ class EngineWorker:
             handle.started_at = time.perf_counter()
             self.decoder.add(seq)
 
-    def _sequence(self, handle: RequestHandle) -> BatchSequence:
+    def _sequence(self, handle: RequestHandle) -> Sequence:
         request, engine = handle.request, self.engine
         prompt = request.prompt
         if request.templated:
             # the template wrote the special tokens (BOS included) already; encoding must not add more
             prompt = engine.tokenizer(prompt, add_special_tokens=False).input_ids
         prompt_ids = engine.prompt_token_ids(prompt, chat=False)
-        params, stopping, generator = engine.sampling_setup(
-            request.max_tokens, request.temperature, request.top_k, request.top_p, request.seed, request.stop or None
+        settings = engine.settings(
+            request.max_tokens,
+            request.temperature,
+            request.top_k,
+            request.top_p,
+            request.seed,
+            request.stop or None,
+            request.num_speculative_tokens,
         )
-        fixed_k = request.seed is not None and not params.greedy
-        return BatchSequence(prompt_ids, params, stopping, generator, engine.sequence_drafter(), fixed_k, tag=handle)
+        return engine.sequence(prompt_ids, settings, make_generator(request.seed), tag=handle)
 
     def _drop_cancelled_and_late(self) -> None:
         now = time.perf_counter()
@@ -230,7 +239,7 @@ class EngineWorker:
                 limit = self.max_request_seconds
                 self._fail(seq, RequestTimeoutError(f"the request ran past the server's limit of {limit:g} s"))
 
-    def _step(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, list[int]]]:
+    def _step(self, sequences: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """One step of every sequence; if it keeps failing, each sequence alone, failing only
         the sequences that fail alone too."""
         self.metrics.batch_size.observe(len(sequences))
@@ -248,14 +257,14 @@ class EngineWorker:
                 self._fail(seq, error)
         return emitted
 
-    def _step_with_retries(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, list[int]]]:
+    def _step_with_retries(self, sequences: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         for attempt in self._retrying:
             with attempt:
                 if self.faults is not None:
                     self.faults.before_step([seq.tag.request for seq in sequences])
                 return self.decoder.step(sequences)
 
-    def _deliver(self, emitted: list[tuple[BatchSequence, list[int]]]) -> None:
+    def _deliver(self, emitted: list[tuple[Sequence, list[int]]]) -> None:
         now = time.perf_counter()
         for seq, tokens in emitted:
             handle = seq.tag
@@ -267,12 +276,12 @@ class EngineWorker:
             elif handle.request.stream and tokens:
                 self._publish_text(handle, self.engine.decode(seq.generated), final=False)
 
-    def _complete(self, seq: BatchSequence) -> None:
+    def _complete(self, seq: Sequence) -> None:
         handle = seq.tag
         self.decoder.remove(seq)
         seq.stats.wall_time_s = time.perf_counter() - handle.started_at
         try:
-            result = self.engine.result(seq.prompt_ids, seq.generated, seq.finish.reason, seq.stats, seq.stopping)
+            result = self.engine.result(seq)
         except Exception as error:  # noqa: BLE001 - out of the batch already: answer it here or never
             handle.future.set_exception(error)
             handle.publish(None)
@@ -290,7 +299,7 @@ class EngineWorker:
             handle.publish(text[handle.streamed_chars :])
             handle.streamed_chars = len(text)
 
-    def _fail(self, seq: BatchSequence, error: BaseException) -> None:
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
         if seq.slot is not None:
             self.decoder.remove(seq)
         logger.warning("request failed: %r", error)

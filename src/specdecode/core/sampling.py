@@ -24,12 +24,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise InvalidArgumentError(
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature}"
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}", "temperature"
             )
         if self.top_k is not None and self.top_k < 1:
-            raise InvalidArgumentError(f"top_k must be a positive integer or None, got {self.top_k}")
+            raise InvalidArgumentError(f"top_k must be a positive integer or None, got {self.top_k}", "top_k")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
 
     @property
     def greedy(self) -> bool:
@@ -40,9 +40,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """Turn logits [..., vocab] into the distribution tokens are drawn from [..., vocab]."""
     if params.greedy:
         # one-hot on the argmax (first index on ties, as torch.argmax and transformers do)
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(
-            -1, logits.argmax(dim=-1, keepdim=True), 1.0
-        )
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     logits = logits.float() / params.temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

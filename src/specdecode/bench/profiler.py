@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.kv_cache import ModelRunner
+from specdecode.runners import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def profile_forward(
     return [
         ForwardCost(
             n,
-            median_seconds(lambda: forward(n), repeats),
+            median_seconds(lambda: forward(n), repeats),  # noqa: B023 - timed now, in this iteration
             bandwidth_floor=weight_bytes(model) / hardware.read_bandwidth,
             compute_floor=forward_flops(model, n, prefix + n) / hardware.matmul_flops,
         )

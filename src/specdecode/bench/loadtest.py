@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -119,7 +120,10 @@ def run_level(
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         timings = list(
-            pool.map(lambda i: one_request(client, model, prompts[i], max_tokens, temperature, hang_ups[i]), range(len(prompts)))
+            pool.map(
+                lambda i: one_request(client, model, prompts[i], max_tokens, temperature, hang_ups[i]),
+                range(len(prompts)),
+            )
         )
     wall = time.perf_counter() - start
     done = [t for t in timings if t.text is not None]
@@ -132,8 +136,18 @@ def run_level(
     ttft, tpot, e2e = (percentiles([getattr(t, name) for t in done]) for name in ("ttft_s", "tpot_s", "e2e_s"))
     errors = sorted({t.error for t in timings if t.error})
     result = LevelResult(
-        concurrency, len(prompts), len(done), sum(t.error is not None for t in timings),
-        sum(t.disconnected for t in timings), wall, tokens, tokens / wall, *ttft, *tpot, *e2e, errors=errors or None,
+        concurrency,
+        len(prompts),
+        len(done),
+        sum(t.error is not None for t in timings),
+        sum(t.disconnected for t in timings),
+        wall,
+        tokens,
+        tokens / wall,
+        *ttft,
+        *tpot,
+        *e2e,
+        errors=errors or None,
     )
     return result, timings
 
@@ -160,7 +174,9 @@ def run_loadtest(
         elif reference is not None:
             result.speedup_vs_one_at_a_time = result.tokens_per_s / reference[0].tokens_per_s
             if temperature == 0:
-                pairs = [(a.text, b.text) for a, b in zip(reference[1], timings) if a.text is not None and b.text is not None]
+                pairs = [
+                    (a.text, b.text) for a, b in zip(reference[1], timings) if a.text is not None and b.text is not None
+                ]
                 result.identical_to_one_at_a_time = sum(a == b for a, b in pairs)
                 result.compared_to_one_at_a_time = len(pairs)
         results.append(result)
@@ -182,9 +198,21 @@ def started_server(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "specdecode.cli", "serve", "--target", target, "--port", str(port),
-               "--max-batch-size", str(max_batch_size), "--dtype", dtype] + (["--inject-faults", inject_faults] if inject_faults else [])
-    log = tempfile.NamedTemporaryFile("w+", prefix="specdecode-serve-", suffix=".log", delete=False)
+    command = [
+        sys.executable,
+        "-m",
+        "specdecode.cli",
+        "serve",
+        "--target",
+        target,
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(max_batch_size),
+        "--dtype",
+        dtype,
+    ] + (["--inject-faults", inject_faults] if inject_faults else [])
+    log = tempfile.NamedTemporaryFile("w+", prefix="specdecode-serve-", suffix=".log", delete=False)  # noqa: SIM115 - the server writes it while it runs
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         with console.status(f"Starting `specdecode serve --target {target}` (log: {log.name})"):
@@ -202,7 +230,7 @@ def _wait_until_healthy(root: str, process: subprocess.Popen, log_path: str, tim
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            last = (open(log_path).read().strip().splitlines() or ["(no output)"])[-1]
+            last = (Path(log_path).read_text().strip().splitlines() or ["(no output)"])[-1]
             raise SpecDecodeError(f"the server exited with status {process.returncode}: {last}")
         try:
             if httpx.get(f"{root}/health", timeout=2).status_code == 200:
@@ -228,8 +256,15 @@ def _served_model(api_base: str) -> str:
 def server_metrics(base_url: str) -> dict[str, float]:
     """The server's counters that tell whether anything was lost: restarts, retries, requests by outcome."""
     text = httpx.get(f"{base_url.removesuffix('/v1')}/metrics", timeout=30).text
-    wanted = ("num_requests_running", "num_requests_waiting", "request_success", "request_errors",
-              "engine_step_retries", "engine_worker_restarts", "spec_decode_draft_acceptance_rate")
+    wanted = (
+        "num_requests_running",
+        "num_requests_waiting",
+        "request_success",
+        "request_errors",
+        "engine_step_retries",
+        "engine_worker_restarts",
+        "spec_decode_draft_acceptance_rate",
+    )
     values = {}
     for family in text_string_to_metric_families(text):
         if family.name.removeprefix("specdecode:") in wanted:
@@ -244,8 +279,11 @@ def server_metrics(base_url: str) -> dict[str, float]:
 def print_level(result: LevelResult, console: Console | None = None) -> None:
     console = console or Console()
     speedup = f"{result.speedup_vs_one_at_a_time:.2f}x" if result.speedup_vs_one_at_a_time else "1.00x (baseline)"
-    same = (f" | identical to one-at-a-time {result.identical_to_one_at_a_time}/{result.compared_to_one_at_a_time}"
-            if result.compared_to_one_at_a_time is not None else "")
+    same = (
+        f" | identical to one-at-a-time {result.identical_to_one_at_a_time}/{result.compared_to_one_at_a_time}"
+        if result.compared_to_one_at_a_time is not None
+        else ""
+    )
     console.print(
         f"concurrency {result.concurrency:>3}: {result.completed}/{result.requests} completed, {result.failed} failed, "
         f"{result.disconnected} hung up | {result.output_tokens} tokens in {result.wall_s:.1f} s = "

@@ -2,7 +2,7 @@
 
 The GPT-2 counterpart of fast_llama.py: transformers' weights and arithmetic, a static KV
 cache with in-place rollback, logits only where asked, and in half precision on the CPU
-exact verification (one query at a time, attention.py; oneDNN products, quantization.py).
+exact verification (one query at a time, attention.py; oneDNN products, projection.py).
 GPT-2 stores its projections as Conv1D, [in, out]; a Projection of the transposed view
 runs the same `addmm` with the bias fused in.
 """
@@ -15,20 +15,16 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.attention import attend, per_query_by_default
-from specdecode.kv_cache import StaticCacheRunner, StaticKVCache
-from specdecode.quantization import Projection, projection
+from specdecode.runners.attention import attend, per_query_by_default
+from specdecode.runners.projection import Projection, projection
+from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache
 
 INITIAL_CAPACITY = 1024
 
 
 def supports(model: PreTrainedModel) -> bool:
     config = model.config
-    return (
-        config.model_type == "gpt2"
-        and not config.add_cross_attention
-        and not config.reorder_and_upcast_attn
-    )
+    return config.model_type == "gpt2" and not config.add_cross_attention and not config.reorder_and_upcast_attn
 
 
 @dataclass
@@ -89,7 +85,9 @@ class FastGPT2Runner(StaticCacheRunner):
         mask: torch.Tensor | None,  # [n, cached + n] bool; None: each query alone
     ) -> torch.Tensor:  # [n, hidden]
         n, hidden = h.shape
-        q, k, v = block.c_attn(h).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # each [heads, n, head_dim]
+        q, k, v = (
+            block.c_attn(h).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        )  # each [heads, n, head_dim]
         keys, values = self.cache.write(index, k, v)
         out = attend(q, keys, values, mask, block.scale)  # [heads, n, head_dim]
         return block.attn_proj(out.transpose(0, 1).reshape(n, hidden))

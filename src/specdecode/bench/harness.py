@@ -22,9 +22,9 @@ from specdecode.bench.progress import bench_progress
 from specdecode.bench.prompts import BenchPrompt, load_prompts, select_prompts
 from specdecode.bench.quality import Difference, add_perplexities, compare_greedy
 from specdecode.bench.systems import EngineSystem, HFSystem, SystemSpec, build_systems, load_draft, plan_systems
+from specdecode.core.sampling import SamplingParams
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import InvalidArgumentError
-from specdecode.sampling import SamplingParams
 
 WARM_UP_TOKENS = 8
 
@@ -72,9 +72,16 @@ def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchR
         with console.status("Scoring outputs by the target's perplexity"):
             add_perplexities(measurements, prompt_ids, model)
     return BenchResult(
-        config, environment, specs, [describe_system(s) for s in systems],
+        config,
+        environment,
+        specs,
+        [describe_system(s) for s in systems],
         [{"id": p.id, "category": p.category, "prompt_tokens": len(prompt_ids[p.id])} for p in prompts],
-        skipped, costs, measurements, differences, summarize(measurements, specs, costs, config.greedy),
+        skipped,
+        costs,
+        measurements,
+        differences,
+        summarize(measurements, specs, costs, config.greedy),
     )
 
 
@@ -108,7 +115,9 @@ def encode_prompts(
 
 
 def measure_step_costs(
-    engine: SpeculativeEngine, systems: list[HFSystem | EngineSystem], prompt_ids: dict[str, list[int]],
+    engine: SpeculativeEngine,
+    systems: list[HFSystem | EngineSystem],
+    prompt_ids: dict[str, list[int]],
     config: BenchConfig,
 ) -> ForwardCosts:
     """Step costs after the median-length prompt: they grow with the context, so take a typical one."""
@@ -144,8 +153,15 @@ def time_systems(
                     output = system.generate(ids, config.max_new_tokens, config.temperature, seed)
                     measurements.append(
                         Measurement(
-                            system.spec.name, system.spec.group, prompt.id, prompt.category, run, order, len(ids),
-                            output.token_ids, output.wall_time_s,
+                            system.spec.name,
+                            system.spec.group,
+                            prompt.id,
+                            prompt.category,
+                            run,
+                            order,
+                            len(ids),
+                            output.token_ids,
+                            output.wall_time_s,
                             output.stats.to_dict() if output.stats is not None else None,
                         )
                     )
@@ -156,8 +172,14 @@ def time_systems(
 
 def describe_system(system: HFSystem | EngineSystem) -> dict:
     spec = system.spec
-    described = {"name": spec.name, "group": spec.group, "framework": spec.framework, "drafter": spec.drafter,
-                 "k": spec.k, "draft": spec.draft}
+    described = {
+        "name": spec.name,
+        "group": spec.group,
+        "framework": spec.framework,
+        "drafter": spec.drafter,
+        "k": spec.k,
+        "draft": spec.draft,
+    }
     if isinstance(system, HFSystem):
         # what was passed to generate, less the assistant model object itself
         described["generate_options"] = {k: v for k, v in system.options.items() if k != "assistant_model"}

@@ -11,13 +11,7 @@ on future tokens, so it never changes what is generated.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-
-import torch
-
-from specdecode.drafters.base import Draft, Drafter
-from specdecode.sampling import SamplingParams
 
 EMA_WEIGHT = 0.2  # weight of the newest measurement
 PRIOR_ACCEPTANCE = 0.5  # a_1 before anything was drafted: optimistic enough to try it
@@ -37,9 +31,7 @@ def expected_tokens(acceptance: list[float]) -> float:
     return total
 
 
-def best_k(
-    acceptance: list[float], draft_seconds_per_token: float, verify_seconds: Callable[[int], float]
-) -> int:
+def best_k(acceptance: list[float], draft_seconds_per_token: float, verify_seconds: Callable[[int], float]) -> int:
     """The k in [0, len(acceptance)] with the most expected tokens per second."""
     rates = [
         expected_tokens(acceptance[:k]) / (k * draft_seconds_per_token + verify_seconds(k + 1))
@@ -53,7 +45,6 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # n new tokens -> EMA seconds
-        self.fixed_k = False  # True: drafters draft the most k they may, for runs that must repeat exactly
 
     def record(self, n: int, seconds: float) -> None:
         self.seconds[n] = ema(self.seconds.get(n), seconds)
@@ -91,8 +82,8 @@ class AdaptiveK:
     def choose(self, k_max: int, batch_size: int = 1) -> int:
         """The k for the next step; batch_size sequences draft it and share one verification
         forward, whose cost step_costs knows by its total tokens."""
-        if k_max <= 0 or self.step_costs.fixed_k:
-            return max(k_max, 0)
+        if k_max <= 0:
+            return 0
         if self.draft_seconds_per_token is None or not self.step_costs.seconds:
             return k_max  # nothing measured yet: try the most
 
@@ -127,32 +118,3 @@ class AdaptiveK:
             if i == len(self.acceptance):  # reached for the first time: start from its guess
                 self.acceptance.append(self._unreached())
             self.acceptance[i] = ema(self.acceptance[i], float(i < num_accepted))
-
-
-class AdaptiveDrafter:
-    """A drafter that drafts the k its measurements favour, at most the k the loop allows."""
-
-    k_policy = "adaptive"
-
-    def __init__(self, inner: Drafter, step_costs: StepCosts):
-        self.inner = inner
-        self.name = inner.name
-        self.policy = AdaptiveK(step_costs)
-
-    def begin(self, prompt_ids: list[int]) -> None:
-        self.inner.begin(prompt_ids)
-
-    def propose(
-        self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
-        k = self.policy.choose(k)
-        if k == 0:
-            return Draft.empty()
-        start = time.perf_counter()
-        draft = self.inner.propose(token_ids, k, params, generator)
-        self.policy.record_draft(len(draft), time.perf_counter() - start)
-        return draft
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        self.policy.record_verdict(num_drafted, num_accepted)
-        self.inner.observe(num_drafted, num_accepted)

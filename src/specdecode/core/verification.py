@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,7 @@ def verify(
     k = draft_tokens.shape[0]
     positions = torch.arange(k)
     p_of_draft = target_probs[positions, draft_tokens]  # [k]
-    q_of_draft = (
-        torch.ones(k) if draft_probs is None else draft_probs[positions, draft_tokens]
-    )  # [k]
+    q_of_draft = torch.ones(k) if draft_probs is None else draft_probs[positions, draft_tokens]  # [k]
     # accept x_i with probability min(1, p(x_i) / q(x_i)); u < p/q  <=>  u * q < p
     u = torch.rand(k, generator=generator)
     rejected = (u * q_of_draft >= p_of_draft).nonzero()

@@ -2,15 +2,15 @@
 
 Same weights and the same arithmetic as transformers' modeling, without its per-call
 machinery, and shaped for speculative decoding:
-- a static KV cache (kv_cache.StaticKVCache): rollback moves a length, copies nothing;
+- a static KV cache (static_cache.StaticKVCache): rollback moves a length, copies nothing;
 - fused projections (q|k|v, gate|up): fewer, larger matrix products;
-- optional weight-only int8 for the layers' products (quantization.py);
+- optional weight-only int8 for the layers' products (projection.py);
 - logits only for the positions the caller asks for;
 - in half precision on the CPU, verification attends one query at a time, so that a
   token's logits are bitwise the same whether it is verified among others or decoded
   alone (see FastLlamaRunner).
 
-It implements `kv_cache.ModelRunner`; `supports(model)` says when it applies. Outputs
+It implements `runners.base.ModelRunner`; `supports(model)` says when it applies. Outputs
 match transformers' to float rounding (tests/test_fast_runners.py states the tolerance).
 """
 
@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.attention import attend, per_query_by_default
-from specdecode.kv_cache import StaticCacheRunner, StaticKVCache
-from specdecode.quantization import Projection, mkl_packing, projection
+from specdecode.runners.attention import attend, per_query_by_default
+from specdecode.runners.projection import Projection, mkl_packing, projection
+from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
 # float32 on CPU: row counts for which the weights are also kept in MKL's packed layout
-# (quantization.Projection), each a copy of the weights, made only within PACKING_BUDGET bytes
+# (projection.Projection), each a copy of the weights, made only within PACKING_BUDGET bytes
 PACKED_ROWS = (8, 16)
 PACKING_BUDGET = 4 << 30
 
@@ -66,7 +66,7 @@ class FastLlamaRunner(StaticCacheRunner):
     flips no greedy choice in our tests and benchmarks. In bfloat16 one rounding step is
     ~1e-2, and the batched attention kernel rounds differently for 1 and for 5 queries: a
     speculative run then drifted from target-only decoding on most benchmark prompts. The
-    half-precision products (quantization.Projection: oneDNN, in chunks of 32 rows) compute
+    half-precision products (projection.Projection: oneDNN, in chunks of 32 rows) compute
     each row the same whatever rows share them, so with `per_query_attention` (on for half
     precision on the CPU) a verification forward (one that wants every new token's logits)
     attends one query at a time, exactly as a one-token forward does, and a token's logits
@@ -75,6 +75,8 @@ class FastLlamaRunner(StaticCacheRunner):
     (one logit wanted) keep the batched kernel: one query at a time is ~10x slower for a
     500-token prompt, and the engine prefills a prompt alone in every mode anyway.
     """
+
+    stacks_sequences = True
 
     def __init__(self, model: PreTrainedModel, quantization: str | None = None):
         if not supports(model):
@@ -149,9 +151,7 @@ class FastLlamaRunner(StaticCacheRunner):
         masks: list[torch.Tensor | None],  # [n_i, cached_i + n_i] bool; None: each query alone
     ) -> torch.Tensor:  # [sum n_i, hidden]
         total, d = h.shape[0], self.head_dim
-        q, k, v = layer.qkv(h).split(
-            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
-        )
+        q, k, v = layer.qkv(h).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = _rope(q.view(total, self.num_heads, d).transpose(0, 1), cos, sin)  # [heads, sum n_i, d]
         k = _rope(k.view(total, self.num_kv_heads, d).transpose(0, 1), cos, sin)  # [kv_heads, sum n_i, d]
         v = v.view(total, self.num_kv_heads, d).transpose(0, 1)

@@ -8,6 +8,7 @@ machine, so `specdecode profile --quantize int8` measures it rather than assumin
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -70,9 +71,13 @@ def projection(
         # F.linear computes a row differently with other rows beside it, the reordered
         # product does not (what FastLlamaRunner's exact verification needs); one row costs
         # ~10% more, 5-100 rows 10-25% less.
-        return Projection(weight, bias, onednn=torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS))
+        return Projection(
+            weight, bias, onednn=torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
+        )
     if quantization is None:
-        return Projection(weight, bias, packed={m: _mkl_pack(weight, m) for m in sorted(packed_rows) if mkl_packing(weight)})
+        return Projection(
+            weight, bias, packed={m: _mkl_pack(weight, m) for m in sorted(packed_rows) if mkl_packing(weight)}
+        )
     if quantization != "int8":
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
     # symmetric per-row scale: the row's largest magnitude maps to 127
@@ -87,8 +92,26 @@ def mkl_packing(weight: torch.Tensor) -> bool:
 
 
 def onednn_packing(weight: torch.Tensor) -> bool:
-    """Whether a half-precision weight is kept reordered for oneDNN: on a CPU build with it."""
-    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
+    """Whether a half-precision weight is kept reordered for oneDNN: on a CPU build with it,
+    whose processor oneDNN runs that dtype on (its float16 path needs AVX512-FP16 or
+    AVX-NE-CONVERT: an AMD EPYC with AVX-512 but neither was seen to refuse it)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and onednn_supports(weight.dtype)
+    )
+
+
+@functools.cache
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN reorders (and so multiplies) weights of this dtype; asked once."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), ONEDNN_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _mkl_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:

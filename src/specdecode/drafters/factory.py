@@ -1,0 +1,93 @@
+"""Build a drafter from its name (the CLI's and from_pretrained's `drafter` argument)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdecode.drafters.auto import AutoDrafter
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
+from specdecode.drafters.model import ModelDrafter
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.self_quantized import self_quantized_drafter
+from specdecode.errors import InvalidArgumentError, VocabularyMismatchError
+from specdecode.loading import check_same_vocabulary
+from specdecode.runners import ModelRunner, runner_for
+
+DRAFTERS = ("auto", "model", "prompt-lookup", "self-quantized", "cross-tokenizer", "none")
+
+Loader = Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """How a drafter named in from_pretrained (or the CLI) is built."""
+
+    adaptive: bool = True  # choose k <= num_speculative_tokens per step from measurements (core/adaptive.py)
+    min_ngram: int = 1  # prompt lookup: shortest n-gram matched
+    max_ngram: int = 3  # prompt lookup: longest n-gram matched, tried first
+    max_continuation: int | None = None  # prompt lookup: most tokens copied per step (None: k)
+    lookup_history: bool = False  # prompt lookup also searches earlier requests' text
+    quantization: str = "bfloat16"  # self-quantized: "bfloat16" or "int8" (weight-only)
+    min_confidence: float = 0.0  # model drafters stop after a token they give less probability
+
+
+def check_drafter_name(name: str, draft: object) -> None:
+    if name not in DRAFTERS:
+        raise InvalidArgumentError(f"unknown drafter '{name}'; choose one of: {', '.join(DRAFTERS)}", "drafter")
+    if name in ("model", "cross-tokenizer") and draft is None:
+        raise InvalidArgumentError(
+            f"drafter '{name}' needs a draft model: pass draft=NAME (--draft in the CLI)", "draft"
+        )
+
+
+def make_drafter(
+    name: str,
+    draft: str | PreTrainedModel | None,
+    target: ModelRunner,
+    tokenizer: PreTrainedTokenizerBase | None,
+    load: Loader,
+    runner: str,
+    options: DrafterOptions,
+) -> Drafter | AutoDrafter | None:
+    """The drafter `name` drafting for target (a runner with `.model`), draft loaded by `load`."""
+    check_drafter_name(name, draft)
+    if name == "none":
+        return None
+    lookup = PromptLookupDrafter(options.min_ngram, options.max_ngram, options.max_continuation, options.lookup_history)
+    if name == "prompt-lookup":
+        return lookup
+    if name == "self-quantized":
+        return self_quantized_drafter(target.model, options.quantization, options.min_confidence)
+    model_drafter = (
+        _draft_model_drafter(name, draft, target, tokenizer, load, runner, options) if draft is not None else None
+    )
+    if name == "auto":
+        return AutoDrafter([lookup, model_drafter]) if model_drafter is not None else lookup
+    return model_drafter
+
+
+def _draft_model_drafter(
+    name: str,
+    draft: str | PreTrainedModel,
+    target: ModelRunner,
+    tokenizer: PreTrainedTokenizerBase | None,
+    load: Loader,
+    runner: str,
+    options: DrafterOptions,
+) -> ModelDrafter | CrossTokenizerDrafter:
+    """A "cross-tokenizer" drafter if asked for, else a "model" drafter with the target's tokenizer."""
+    draft_model, draft_tokenizer = (draft, None) if isinstance(draft, PreTrainedModel) else load(draft)
+    draft_runner = runner_for(draft_model.to(target.device), runner)
+    if name == "cross-tokenizer":
+        if tokenizer is None or draft_tokenizer is None:
+            raise InvalidArgumentError("drafter 'cross-tokenizer' needs the target's and the draft's tokenizers")
+        return CrossTokenizerDrafter(draft_runner, draft_tokenizer, tokenizer)
+    try:
+        check_same_vocabulary(tokenizer, draft_tokenizer, target.vocab_size, draft_runner.vocab_size)
+    except VocabularyMismatchError as error:
+        raise VocabularyMismatchError(f"{error}, or draft through text with drafter 'cross-tokenizer'") from None
+    return ModelDrafter(draft_runner, options.min_confidence)

@@ -1,0 +1,32 @@
+"""What the decode loop needs from a model: the `ModelRunner` protocol.
+
+A runner runs new tokens against its KV cache and returns their logits, and crops the cache
+back to a shorter length. The transformers runner (hf.py) runs any causal LM; the fast
+paths (fast_llama.py, fast_gpt2.py) run supported families on a static cache.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class ModelRunner(Protocol):
+    vocab_size: int  # width of the logits
+    max_length: int  # context window, in tokens
+    # declared capability: forward_batch(caches, token_ids, num_logits) runs several
+    # sequences, each on a cache of its own, in one pass (runners/slots.py uses it)
+    stacks_sequences: bool
+
+    @property
+    def cache_length(self) -> int: ...
+
+    def reset(self) -> None:
+        """Empty the cache, for a new sequence."""
+
+    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Run token_ids [n] after the cached ones; return the last num_logits logits [num_logits, vocab]."""
+
+    def crop(self, length: int) -> None:
+        """Keep only the first `length` cached positions."""

@@ -1,0 +1,39 @@
+"""Which runner runs a model: a fast path where one applies, else transformers'."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from specdecode.errors import InvalidArgumentError
+from specdecode.runners import fast_gpt2, fast_llama
+from specdecode.runners.base import ModelRunner
+from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.runners.hf import HFModelRunner
+
+RUNNERS = ("auto", "fast", "transformers")
+
+
+def runner_for(model: PreTrainedModel, runner: str = "auto", quantization: str | None = None) -> ModelRunner:
+    """The fastest runner that supports the model: a lean fast path where one applies, else transformers'."""
+    if runner not in RUNNERS:
+        raise InvalidArgumentError(f"unknown runner '{runner}'; choose one of: {', '.join(RUNNERS)}")
+    fast = _fast_runner_class(model) if runner != "transformers" else None
+    if runner == "fast" and fast is None:
+        raise InvalidArgumentError(
+            f"the fast runner supports Llama-family (llama, mistral, qwen2) and GPT-2 models, "
+            f"not {model.config.model_type}; use --runner auto"
+        )
+    if quantization is None:
+        return fast(model) if fast is not None else HFModelRunner(model)
+    if fast is not FastLlamaRunner:
+        raise InvalidArgumentError(
+            f"--quantize {quantization} runs on the Llama-family fast runner, not on {model.config.model_type} models"
+        )
+    return FastLlamaRunner(model, quantization)
+
+
+def _fast_runner_class(model: PreTrainedModel) -> type | None:
+    for module, runner_class in ((fast_llama, fast_llama.FastLlamaRunner), (fast_gpt2, fast_gpt2.FastGPT2Runner)):
+        if module.supports(model):
+            return runner_class
+    return None

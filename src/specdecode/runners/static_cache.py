@@ -1,0 +1,84 @@
+"""A KV cache in preallocated tensors, and the cache half of the fast runners."""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    """Keys and values of every layer in preallocated tensors, for the fast runners.
+
+    Rolling back is `crop(n)`: rows past n are overwritten by the next forward, so nothing
+    is copied or freed. Capacity doubles when a sequence outgrows it.
+    """
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, max_length: int, dtype, device, capacity: int = 1024
+    ):
+        self.shape = (num_layers, num_kv_heads, 0, head_dim)
+        self.max_length, self.dtype, self.device = max_length, dtype, device
+        self.length = 0
+        self.capacity = 0
+        self.keys = self.values = torch.empty(self.shape, dtype=dtype, device=device)
+        self._grow(min(capacity, max_length))
+
+    def empty_copy(self, capacity: int) -> StaticKVCache:
+        """A new, empty cache of the same shape, for another sequence."""
+        layers, heads, _, dim = self.shape
+        return StaticKVCache(layers, heads, dim, self.max_length, self.dtype, self.device, capacity)
+
+    def reserve(self, num_new: int) -> None:
+        """Make room for num_new more positions."""
+        if self.length + num_new > self.capacity:
+            self._grow(max(self.length + num_new, 2 * self.capacity))
+
+    def write(
+        self,
+        layer: int,
+        keys: torch.Tensor,  # [kv_heads, n, head_dim], for positions length .. length + n - 1
+        values: torch.Tensor,  # [kv_heads, n, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # all keys and values so far: [kv_heads, length + n, head_dim]
+        end = self.length + keys.shape[1]
+        self.keys[layer, :, self.length : end] = keys
+        self.values[layer, :, self.length : end] = values
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def advance(self, num_new: int) -> None:
+        """The positions written by the last forward (every layer) are now cached."""
+        self.length += num_new
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def causal_mask(self, num_new: int) -> torch.Tensor | None:
+        """[num_new, length + num_new] bool: a new token sees the cache and the new tokens up to itself."""
+        if num_new == 1:
+            return None  # one query sees everything
+        mask = torch.ones(num_new, self.length + num_new, dtype=torch.bool, device=self.device)
+        return mask.tril(diagonal=self.length)
+
+    def _grow(self, capacity: int) -> None:
+        capacity = min(capacity, self.max_length)
+        layers, heads, _, dim = self.shape
+        keys = torch.empty(layers, heads, capacity, dim, dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+
+class StaticCacheRunner:
+    """The cache half of ModelRunner for runners that keep a StaticKVCache in `self.cache`."""
+
+    cache: StaticKVCache
+    stacks_sequences = False  # FastLlamaRunner overrides: it has forward_batch
+
+    @property
+    def cache_length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.crop(0)
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)

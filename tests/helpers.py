@@ -1,0 +1,178 @@
+"""Helpers shared by the test files: tiny models built from configs (fast, deterministic,
+offline), transformers' greedy reference, and the exact distributions and G-test of the
+sampling tests."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import torch
+from scipy.stats import power_divergence
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 24
+WORDS = ["<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
+
+
+def tiny_llama(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init: float = 0.6) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=init,  # large weights give peaked, dissimilar distributions
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init: float = 0.6) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=max_positions,
+        initializer_range=init,
+        eos_token_id=None,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over 'w0 w1 ...', so text prompts work offline."""
+    words = WORDS[:2] + [f"w{i}" for i in range(vocab_size - 2)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+
+
+def nearby_draft(target, noise: float, seed: int = 0):
+    """A copy of target whose output head is perturbed: a draft that agrees often, not always."""
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(seed)
+    head = draft.get_output_embeddings().weight
+    with torch.no_grad():
+        head.add_(torch.randn(head.shape, generator=generator) * head.std() * noise)
+    return draft
+
+
+def permuted_vocabulary(model, seed: int = 0):
+    """The same model and words under another tokenizer: ids permuted, embeddings and head rows too.
+
+    Drafting for `model` through text, it proposes exactly what model would: a cross-tokenizer
+    drafter with perfect agreement, built offline."""
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    perm = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))  # old id -> new id
+    words = WORDS[:2] + [f"w{i}" for i in range(vocab_size - 2)]
+    backend = Tokenizer(models.WordLevel({w: int(perm[i]) for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+    permuted = copy.deepcopy(model)
+    with torch.no_grad():
+        for weight in (permuted.get_input_embeddings().weight, permuted.get_output_embeddings().weight):
+            weight[perm] = weight.clone()
+    return permuted, tokenizer
+
+
+GREEDY_PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20]]  # token ids, for the greedy tests
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_drafted_and_accepted(results, name=None):
+    """Equality proves nothing about speculation unless drafts were verified and some kept."""
+    assert sum(r.stats.drafted_tokens for r in results) > 0, name
+    assert sum(r.stats.accepted_tokens for r in results) > 0, name
+
+
+# --- sampling: the target's exact law and the G-test (test_distribution.py, test_batching.py) ---
+
+ALPHA = 0.001
+DIST_VOCAB = 12  # vocabulary of the sampling tests' models: small enough to enumerate
+PROMPT = [3, 5, 7, 2]
+SKIP = 1  # new tokens before the tested window: the first comes from the prefill, undrafted
+NUM_TOKENS = 2  # length of the window whose joint distribution is tested
+SAMPLES = 2000
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_k=None, top_p=None) -> np.ndarray:
+    """Target distribution in float64, written independently of specdecode.core.sampling."""
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None:
+        z = np.where(z < np.sort(z)[-top_k], -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p is not None:
+        order = np.argsort(-p, kind="stable")
+        mass_before = np.cumsum(p[order]) - p[order]
+        p[order[mass_before >= top_p]] = 0.0
+        p /= p.sum()
+    return p
+
+
+def exact_joint(model, params) -> np.ndarray:
+    """P(new tokens SKIP .. SKIP + NUM_TOKENS - 1 = t) for every t, flattened [DIST_VOCAB ** NUM_TOKENS]."""
+    model64 = model.to(torch.float64)
+    length = SKIP + NUM_TOKENS
+    conditional = {}
+    for prefix in itertools.chain.from_iterable(itertools.product(range(DIST_VOCAB), repeat=n) for n in range(length)):
+        with torch.no_grad():
+            logits = model64(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].numpy()
+        conditional[prefix] = reference_probs(logits, **params)
+    model.to(torch.float32)
+    probs = np.ones([DIST_VOCAB] * length)
+    for t in itertools.product(range(DIST_VOCAB), repeat=length):
+        for n in range(length):
+            probs[t] *= conditional[t[:n]][t[n]]
+    return probs.sum(axis=tuple(range(SKIP))).reshape(-1)  # the skipped tokens summed out
+
+
+def sample_counts(engine, k, params, seed) -> np.ndarray:
+    # room for a whole first speculative step: k drafts and a bonus token after the skipped ones
+    results = engine.generate([PROMPT] * SAMPLES, max_new_tokens=SKIP + max(k + 1, NUM_TOKENS), seed=seed, **params)
+    counts = np.zeros(DIST_VOCAB**NUM_TOKENS)
+    for r in results:
+        counts[np.ravel_multi_index(r.token_ids[SKIP : SKIP + NUM_TOKENS], [DIST_VOCAB] * NUM_TOKENS)] += 1
+    return counts
+
+
+def g_test_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """G-test of counts against probs, pooling cells expected fewer than 5 times."""
+    if counts[probs == 0].sum() > 0:
+        return 0.0  # a sample the distribution cannot produce
+    expected = probs * counts.sum()
+    small = (expected < 5) & (probs > 0)
+    observed = np.append(counts[~small & (probs > 0)], counts[small].sum())
+    expected = np.append(expected[~small & (probs > 0)], expected[small].sum())
+    if expected[-1] < 5:  # pool the leftovers into the smallest regular cell
+        smallest = np.argmin(expected[:-1])
+        observed[smallest] += observed[-1]
+        expected[smallest] += expected[-1]
+        observed, expected = observed[:-1], expected[:-1]
+    assert len(expected) >= 2, "too few cells for a G-test: spread the distribution out"
+    return power_divergence(observed, expected, lambda_="log-likelihood").pvalue
+
+
+INIT = {tiny_llama: 0.3, tiny_gpt2: 0.2}  # weight scales that give spread-out distributions
+
+
+def target_and_draft(family):
+    target = family(seed=1, vocab_size=DIST_VOCAB, init=INIT[family])
+    return target, nearby_draft(target, noise=0.5)  # accepts about 70% of the time
