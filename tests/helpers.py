@@ -4,14 +4,22 @@ sampling tests."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import re
+import socket
+import threading
+import time
 
 import numpy as np
 import torch
+import uvicorn
 from scipy.stats import power_divergence
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdecode.server.faults import WorkerCrash
 
 VOCAB = 24
 WORDS = ["<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
@@ -176,3 +184,77 @@ INIT = {tiny_llama: 0.3, tiny_gpt2: 0.2}  # weight scales that give spread-out d
 def target_and_draft(family):
     target = family(seed=1, vocab_size=DIST_VOCAB, init=INIT[family])
     return target, nearby_draft(target, noise=0.5)  # accepts about 70% of the time
+
+
+# --- the server, run for real on loopback (test_server.py, test_server_faults.py, test_loadtest.py) ---
+
+SERVED_MODEL = "tiny"
+SERVER_PROMPT = "w1 w2 w3 w1 w2"
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` with uvicorn in a thread on a free port; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        threading.Event().wait(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        deadline.wait(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+class Gate:
+    """A step hook that lets `open_steps` steps through, then holds every step until opened;
+    `delay` slows each step down."""
+
+    def __init__(self, open_steps: int = 0, delay: float = 0.0):
+        self.open_steps, self.delay = open_steps, delay
+        self.opened = threading.Event()
+        self.steps = 0
+
+    def before_step(self, requests) -> None:
+        self.steps += 1
+        if self.steps > self.open_steps:
+            self.opened.wait(30)
+        time.sleep(self.delay)
+
+    def after_forward(self, requests) -> None:
+        pass
+
+
+class CrashAt:
+    """A step hook that crashes the engine worker at the given step numbers."""
+
+    def __init__(self, *steps: int):
+        self.crash_steps, self.steps = set(steps), 0
+
+    def before_step(self, requests) -> None:
+        self.steps += 1
+        if self.steps in self.crash_steps:
+            raise WorkerCrash(f"injected crash at step {self.steps}")
+
+    def after_forward(self, requests) -> None:
+        pass

@@ -19,6 +19,7 @@ from helpers import (
     tiny_llama,
 )
 from specdecode import SpeculativeEngine
+from specdecode import decoder as decoder_module
 from specdecode.core.adaptive import AdaptiveK, StepCosts
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stopping import StoppingCriteria
@@ -162,3 +163,61 @@ def test_each_sequence_has_its_own_k_limit():
     assert len({tuple(s.generated) for s in sequences}) == 1  # greedy: the same text whatever k
     by_call = engine.generate([PROMPTS[4]], max_new_tokens=30, num_speculative_tokens=0)[0]
     assert by_call.stats.drafted_tokens == 0 and by_call.token_ids == sequences[0].generated
+
+
+@pytest.mark.parametrize("phase", ["before the forward", "after the forward"])
+def test_a_step_that_fails_changes_nothing_and_its_retry_gives_the_same_output(phase):
+    """All or nothing: a step that raises (here in the third sequence's verdict, after the first
+    two sequences' verdicts were taken, or before the forward) leaves every sequence as it was,
+    generators included, so retrying it gives exactly the uninterrupted output, EOS included."""
+    target = tiny_llama(seed=1)
+    target.generation_config.eos_token_id = 5  # finishes some sequences mid-batch
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
+    kwargs = dict(max_new_tokens=25, temperature=1.0, seed=11, max_batch_size=4)
+    expected = [r.token_ids for r in engine.generate_batched(PROMPTS, **kwargs)]
+
+    calls = {"n": 0}
+    real_verify, real_forward = decoder_module.verify_logits, decoder_module.Decoder._verify
+
+    def flaky_verify(*args):
+        calls["n"] += 1
+        if phase == "after the forward" and calls["n"] % 7 == 3:
+            raise RuntimeError("injected fault after the forward")
+        return real_verify(*args)
+
+    def flaky_forward(self, sequences, drafts):
+        calls["n"] += 1
+        if phase == "before the forward" and calls["n"] % 4 == 2:
+            raise RuntimeError("injected fault before the forward")
+        return real_forward(self, sequences, drafts)
+
+    failures = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoder_module, "verify_logits", flaky_verify)
+        patch.setattr(decoder_module.Decoder, "_verify", flaky_forward)
+        fresh = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
+        settings = fresh.settings(25, 1.0, None, None, 11, None)
+        sequences = [fresh.sequence(p, settings, make_generator(11 + i)) for i, p in enumerate(PROMPTS)]
+        decoder, waiting = fresh.decoder, list(sequences)
+        decoder.capacity = 4
+        while waiting or decoder.active:
+            while waiting and decoder.has_room:
+                decoder.add(waiting.pop(0))
+            before = [
+                (list(s.tokens), s.cached, s.stats.target_forwards, s.generator.get_state()) for s in decoder.active
+            ]
+            try:
+                emitted = decoder.step()
+            except RuntimeError:
+                failures += 1
+                after = [
+                    (list(s.tokens), s.cached, s.stats.target_forwards, s.generator.get_state()) for s in decoder.active
+                ]
+                assert all(b[:3] == a[:3] and torch.equal(b[3], a[3]) for b, a in zip(before, after))
+                continue
+            for seq, _ in emitted:
+                if seq.finish is not None:
+                    decoder.remove(seq)
+    assert failures > 3
+    assert [s.generated for s in sequences] == expected
+    assert any(s.finish.reason == "stop" for s in sequences)  # an EOS was among the retried steps' outcomes

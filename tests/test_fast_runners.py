@@ -68,12 +68,41 @@ def tiny_mistral(seed: int):
     return MistralForCausalLM(config).eval()
 
 
+def tiny_llama_with_biases(seed: int):
+    """attention_bias=True: transformers' Llama then has a bias on q, k, v and o_proj."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=24,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        attention_bias=True,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random init leaves every bias at zero; make them all count
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                proj.bias.normal_(0, 0.5)
+    assert all(layer.self_attn.o_proj.bias.abs().min() > 0 for layer in model.model.layers)
+    return model
+
+
 # what a speculative run asks: prefill, verify drafts, roll back, verify again, ...
 STEPS = [(list(range(1, 21)), 1), (list(range(1, 26)), 6), (list(range(1, 23)) + [5, 6], 3), (list(range(1, 24)), 1)]
 
 
 @pytest.mark.parametrize(
-    "family", [tiny_llama, tiny_qwen2, tiny_mistral, tiny_gpt2], ids=["llama", "qwen2", "mistral", "gpt2"]
+    "family",
+    [tiny_llama, tiny_llama_with_biases, tiny_qwen2, tiny_mistral, tiny_gpt2],
+    ids=["llama", "llama-biases", "qwen2", "mistral", "gpt2"],
 )
 def test_logits_match_transformers_through_rollbacks(family):
     model = family(seed=3)
@@ -253,3 +282,38 @@ def test_runner_choice():
             )
         )
     )
+
+
+def test_longrope_is_left_to_transformers():
+    """longrope switches its frequencies by the sequence's current length (short factors up
+    to original_max_position_embeddings, long beyond); the fast path's rope tables are
+    computed once for its cache capacity, so it would rotate short sequences with the long
+    factors (logits measured ~8 off). supports() must refuse it; static rope scalings stay."""
+    head_dim = 8
+
+    def llama(rope_parameters: dict) -> LlamaForCausalLM:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=24,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_parameters={"rope_theta": 10000.0, **rope_parameters},
+        )
+        return LlamaForCausalLM(config).eval()
+
+    longrope = llama(
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * (head_dim // 2),
+            "long_factor": [4.0] * (head_dim // 2),
+            "original_max_position_embeddings": 16,
+        }
+    )
+    assert not fast_llama.supports(longrope)
+    assert isinstance(runner_for(longrope), HFModelRunner)
+    assert fast_llama.supports(llama({"rope_type": "linear", "factor": 2.0}))
+    assert fast_llama.supports(llama({"rope_type": "dynamic", "factor": 2.0}))

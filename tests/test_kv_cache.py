@@ -1,6 +1,8 @@
 """Rolling the cache back to the accepted prefix gives the same logits as recomputing it."""
 
+import pytest
 import torch
+from transformers import MistralConfig, MistralForCausalLM
 
 from helpers import tiny_gpt2, tiny_llama
 from specdecode.runners import CachedSequence, HFModelRunner
@@ -35,3 +37,54 @@ def test_only_the_new_suffix_is_run():
     cached.logits([1, 2, 3, 4, 5, 6], num_logits=3)  # pending token + 2 drafts
     cached.logits([1, 2, 3, 4, 5, 7, 8], num_logits=2)  # draft 6 rejected, 7 recovered
     assert fed == [[1, 2, 3, 4], [4, 5, 6], [7, 8]]
+
+
+def tiny_sliding_mistral(seed: int):
+    """Sliding-window attention (window 4, shorter than the prompts below)."""
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=24,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.6,
+        sliding_window=4,
+    )
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", [tiny_llama, tiny_sliding_mistral], ids=["llama", "sliding-window"])
+def test_a_forward_that_fails_part_way_leaves_the_cache_at_its_prefix(family):
+    """An exception inside the model (out of memory, an injected fault) after its first layer
+    ran has appended the new positions to that layer's cache only (transformers' crop, relative
+    to the end, then leaves the layers at different lengths). The runner must still hold
+    exactly the prefix: a retry gives the logits of a runner that never failed."""
+    model = family(seed=3)
+    prefix, new = torch.tensor([3, 5, 7, 2, 9, 1]), torch.tensor([4, 11, 6])
+    fresh = HFModelRunner(model)
+    fresh.forward(prefix, 1)
+    expected = fresh.forward(new, len(new))
+
+    runner = HFModelRunner(model)
+    runner.forward(prefix, 1)
+    failures = [RuntimeError("injected fault in layer 1")]
+
+    def fail_once(module, args):
+        if failures:
+            raise failures.pop()
+
+    # raised as the second layer starts: the first has cached the new positions, it has not
+    hook = model.model.layers[1].register_forward_pre_hook(fail_once)
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            runner.forward(new, len(new))
+    finally:
+        hook.remove()
+    assert runner.cache_length == len(prefix)
+    assert [runner._cache.get_seq_length(i) for i in range(2)] == [len(prefix)] * 2  # every layer, not only the count
+    runner.crop(len(prefix))
+    torch.testing.assert_close(runner.forward(new, len(new)), expected, atol=1e-6, rtol=1e-6)
+    assert runner.cache_length == len(prefix) + len(new)

@@ -6,13 +6,13 @@ import httpx
 from rich.console import Console
 from typer.testing import CliRunner
 
+from helpers import SERVED_MODEL as MODEL
+from helpers import CrashAt, metric, serving, wait_for
 from specdecode import SpeculativeEngine
 from specdecode.bench.loadtest import run_loadtest, server_metrics, started_server
 from specdecode.cli import app as cli_app
 from specdecode.server import create_app
 from specdecode.server.faults import RandomFaults
-from test_server import MODEL, metric, serving, wait_for
-from test_server_faults import CrashAt
 
 PROMPTS = ["w1 w2 w3", "w4 w5 w4 w5", "w9 w8 w7", "w2 w2 w2 w3", "w10 w11", "w3 w1", "w5 w6 w5", "w7 w7"]
 
@@ -36,6 +36,9 @@ class Faults:
     def before_step(self, requests) -> None:
         self.crashes.before_step(requests)
         self.random.before_step(requests)
+
+    def after_forward(self, requests) -> None:
+        self.random.after_forward(requests)
 
 
 def test_no_request_is_lost_or_hung_under_faults_and_disconnects(tiny_model_dir):

@@ -16,6 +16,21 @@ def test_the_same_file_in_two_places_maps_to_one_converted_folder(tmp_path, monk
     assert models._fingerprint(first) != models._fingerprint(second)
 
 
+def test_files_that_differ_only_between_their_first_and_last_mib_map_to_different_folders(tmp_path, monkeypatch):
+    """Two fine-tunes of one model: same size, same header and same tail, other weights."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    mib = 1 << 20
+    data = bytearray(bytes(range(256)) * (3 * mib // 256))
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    first.parent.mkdir()
+    first.write_bytes(data)
+    data[len(data) // 2] ^= 0xFF  # one byte of the middle MiB
+    second.parent.mkdir()
+    second.write_bytes(data)
+    assert first.stat().st_size == second.stat().st_size
+    assert models._fingerprint(first) != models._fingerprint(second)
+
+
 def gguf_loaded_model():
     model = tiny_llama(seed=0)
     model.config.quantization_config = {"quant_method": "gguf"}  # as transformers' gguf loader leaves it

@@ -3,45 +3,21 @@ the official `openai` client (and httpx for what that client cannot send)."""
 
 from __future__ import annotations
 
-import contextlib
 import re
-import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
+from helpers import SERVED_MODEL as MODEL
+from helpers import SERVER_PROMPT as PROMPT
+from helpers import metric, serving
 from specdecode import SpeculativeEngine
 from specdecode.cli import app as cli_app
 from specdecode.engine import DrafterOptions
 from specdecode.server import create_app
-
-MODEL = "tiny"
-PROMPT = "w1 w2 w3 w1 w2"
-
-
-@contextlib.contextmanager
-def serving(app):
-    """Run `app` with uvicorn in a thread on a free port; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        threading.Event().wait(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +102,13 @@ def test_raw_stream_ends_with_done(server):
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_fields_left_at_their_no_op_values_are_accepted(client, reference):
+    """Clients that send OpenAI's defaults for unsupported fields are served as before."""
+    extra = {"logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u1"}
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=extra)
+    assert response.choices[0].text == reference.generate(PROMPT, max_new_tokens=6, temperature=0)[0].text
 
 
 def test_each_request_chooses_its_own_k(client, reference):
@@ -216,7 +199,13 @@ BAD_REQUESTS = [
         400,
         "speculative.num_speculative_tokens",
     ),
-    ({"model": MODEL, "prompt": PROMPT, "speculative": {"k": 2}}, 422, "speculative"),
+    ({"model": MODEL, "prompt": PROMPT, "speculative": {"k": 2}}, 400, "speculative.k"),
+    # what this server does not implement is refused by name, not silently ignored
+    ({"model": MODEL, "prompt": PROMPT, "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": PROMPT, "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": PROMPT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": PROMPT, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": PROMPT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}, 422, "max_tokens"),
     ({"model": MODEL, "prompt": {"text": PROMPT}}, 422, "prompt"),
     ({"model": MODEL}, 422, "prompt"),
@@ -257,11 +246,6 @@ def test_bad_chat_requests_and_malformed_json(server, client):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
     # and the server still serves
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
-
-
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_metrics_count_requests_tokens_and_errors(tiny_model_dir):
@@ -323,15 +307,6 @@ def test_api_key_is_enforced(tiny_model_dir):
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0)
         assert good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
-
-
-def wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if condition():
-            return
-        deadline.wait(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 def test_serve_command_reports_a_missing_model():

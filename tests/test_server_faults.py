@@ -4,7 +4,11 @@ real server on loopback; the engine is slowed or stopped only through the step h
 
 from __future__ import annotations
 
-import threading
+import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,29 +16,15 @@ import httpx
 import openai
 import pytest
 
+from helpers import SERVED_MODEL as MODEL
+from helpers import SERVER_PROMPT as PROMPT
+from helpers import CrashAt, Gate, metric, serving, wait_for
 from specdecode import SpeculativeEngine
 from specdecode.server import create_app
-from specdecode.server.faults import RandomFaults, WorkerCrash
-from test_server import MODEL, PROMPT, metric, serving, wait_for
+from specdecode.server.faults import RandomFaults
 
 LONG_RUNNING = "w1 w2"  # no end-of-sequence token within 100 greedy tokens of the tiny model
 PROMPTS = ["w1 w2 w3", "w4 w5 w4 w5", "w9 w8 w7", "w2 w2 w2 w3", "w10 w11", "w3 w1", "w5 w6 w5", "w7 w7"]
-
-
-class Gate:
-    """A step hook that lets `open_steps` steps through, then holds every step until opened;
-    `delay` slows each step down."""
-
-    def __init__(self, open_steps: int = 0, delay: float = 0.0):
-        self.open_steps, self.delay = open_steps, delay
-        self.opened = threading.Event()
-        self.steps = 0
-
-    def before_step(self, requests) -> None:
-        self.steps += 1
-        if self.steps > self.open_steps:
-            self.opened.wait(30)
-        time.sleep(self.delay)
 
 
 @pytest.fixture(scope="module")
@@ -108,19 +98,10 @@ def test_a_request_that_always_fails_fails_alone(engine, expected):
             )
             assert list(pool.map(lambda p: greedy(client, p), PROMPTS)) == [expected[p] for p in PROMPTS]
         assert bad.result().status_code == 500 and bad.result().json()["error"]["code"] == "engine_failure"
+        # no internals in the answer: a request id to find them in the log
+        message = bad.result().json()["error"]["message"]
+        assert "injected" not in message and "RuntimeError" not in message and re.search(r"req-[0-9a-f]{16}", message)
         assert greedy(client, PROMPTS[0]) == expected[PROMPTS[0]]
-
-
-class CrashAt:
-    """A step hook that crashes the engine worker at the given step numbers."""
-
-    def __init__(self, *steps: int):
-        self.crash_steps, self.steps = set(steps), 0
-
-    def before_step(self, requests) -> None:
-        self.steps += 1
-        if self.steps in self.crash_steps:
-            raise WorkerCrash(f"injected crash at step {self.steps}")
 
 
 def test_a_crashed_worker_restarts_and_resumes_every_request(engine, expected):
@@ -178,3 +159,77 @@ def test_graceful_shutdown_finishes_the_requests_in_flight(engine, expected):
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         stopping.result()
         assert [a.result() for a in answers] == [expected[p] for p in PROMPTS[:4]]
+
+
+def test_a_non_streaming_client_that_hangs_up_as_its_request_finishes_crashes_nothing(engine, expected):
+    """The client's Future is cancelled while its last step runs; completing it must not crash
+    the engine loop (before: InvalidStateError, a restart, and every request's crash count up)."""
+    gate = Gate(open_steps=0)
+    with serving(create_app(engine, model_name=MODEL, faults=gate)) as url:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)  # held in its only step; hangs up
+        time.sleep(1.5)  # the server notices the disconnect and cancels the request's Future
+        gate.opened.set()  # the step runs and finishes the request it holds
+        assert greedy(new_client(url), PROMPTS[1]) == expected[PROMPTS[1]]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert metric(metrics, "specdecode:engine_worker_restarts_total") == 0
+
+
+def test_steps_that_fail_after_the_forward_are_retried_to_the_exact_answers(engine, expected):
+    """Every third step fails once its forward has run (verdicts not yet taken): retried, each
+    request still gets exactly its greedy answer."""
+
+    class FailAfterForward:
+        def __init__(self):
+            self.steps = 0
+
+        def before_step(self, requests) -> None:
+            pass
+
+        def after_forward(self, requests) -> None:
+            self.steps += 1
+            if self.steps % 3 == 0:
+                raise RuntimeError("injected fault after the forward")
+
+    hook = FailAfterForward()
+    with serving(create_app(engine, model_name=MODEL, faults=hook)) as url:
+        client = new_client(url)
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda p: greedy(client, p), PROMPTS)) == [expected[p] for p in PROMPTS]
+        assert hook.steps > 6
+        assert metric(httpx.get(f"{url}/metrics").text, "specdecode:engine_step_retries_total") > 0
+
+
+def test_a_second_sigint_stops_the_server_at_once(tiny_model_dir):
+    """`specdecode serve` with slow steps and a queue of long requests: the first SIGINT starts
+    a graceful shutdown (which would take minutes here); the second exits within seconds."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "specdecode.cli", "serve", "--target", tiny_model_dir, "--port", str(port)]
+    command += ["--max-batch-size", "1", "--inject-faults", "0,0,0.2"]  # 0.2 s a step
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _answers(f"{url}/health"), timeout=60)
+        body = {"model": tiny_model_dir, "prompt": LONG_RUNNING, "max_tokens": 100, "temperature": 0}
+        with ThreadPoolExecutor(3) as pool:
+            held = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60) for _ in range(3)]
+            wait_for(lambda: metric(httpx.get(f"{url}/metrics").text, "specdecode:num_requests_running") == 1)
+            server.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            server.send_signal(signal.SIGINT)
+            assert server.wait(timeout=10) is not None
+            outcomes = [f.exception() or f.result().status_code for f in held]
+        assert all(o != 200 for o in outcomes)  # failed or cut off, not answered after the second signal
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -307,7 +307,8 @@ def serve(
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     inject_faults: Annotated[
-        Optional[str], typer.Option(hidden=True, help="Testing: 'TRANSIENT,CRASH' step failure probabilities.")
+        Optional[str],
+        typer.Option(hidden=True, help="Testing: 'TRANSIENT,CRASH[,DELAY_S]' step failure probabilities, step delay."),
     ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -344,10 +345,12 @@ def _fault_injector(spec: str):
     from specdecode.server.faults import RandomFaults
 
     try:
-        transient, crash = (float(x) for x in spec.split(","))
+        values = [float(x) for x in spec.split(",")]
+        transient, crash, delay = (values + [0.0])[:3] if len(values) in (2, 3) else [float("")] * 3
     except ValueError:
-        raise InvalidArgumentError(f"--inject-faults takes 'TRANSIENT,CRASH' probabilities, got '{spec}'") from None
-    return RandomFaults(transient, crash)
+        message = f"--inject-faults takes 'TRANSIENT,CRASH[,DELAY_S]' (probabilities, seconds per step), got '{spec}'"
+        raise InvalidArgumentError(message) from None
+    return RandomFaults(transient, crash, delay=delay)
 
 
 @app.command()

@@ -27,6 +27,7 @@ most k every step, so that its samples repeat whatever else ran before or beside
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -113,10 +114,13 @@ class Decoder:
             seq.cached = 0
             self.slots.crop(seq.slot, 0)
 
-    def step(self, sequences: list[Sequence] | None = None) -> list[tuple[Sequence, list[int]]]:
+    def step(
+        self, sequences: list[Sequence] | None = None, after_forward: Callable[[], None] | None = None
+    ) -> list[tuple[Sequence, list[int]]]:
         """Advance every active sequence (or just `sequences`) once; the tokens each emitted. A
         sequence whose `finish` is set afterwards is done (its tokens past the stop are cut).
-        All or nothing: if this raises, no sequence has changed."""
+        All or nothing: if this raises, no sequence has changed. after_forward: called once
+        the target forward has run (the server's fault injection)."""
         sequences = self.active if sequences is None else sequences
         states = [seq.generator.get_state() for seq in sequences]
         try:
@@ -124,6 +128,8 @@ class Decoder:
             forward_tokens = sum(len(seq.tokens) - seq.cached + len(d) for seq, d in zip(sequences, drafts))
             start = time.perf_counter()
             logits = self._verify(sequences, drafts)
+            if after_forward is not None:
+                after_forward()
             decisions = [self._decide(*args) for args in zip(sequences, drafts, logits, strict=True)]
         except BaseException:
             for seq, state in zip(sequences, states, strict=True):

@@ -22,7 +22,10 @@ class CachedSequence:
 
     def logits(self, token_ids: list[int], num_logits: int = 1) -> torch.Tensor:
         """Logits [num_logits, vocab] after each of the last num_logits positions of token_ids."""
-        keep = min(_common_prefix_length(self._tokens, token_ids), len(token_ids) - num_logits)
+        # never more than the runner holds: after a forward that failed, _tokens ran ahead of it
+        keep = min(
+            _common_prefix_length(self._tokens, token_ids), len(token_ids) - num_logits, self.runner.cache_length
+        )
         self.runner.crop(keep)  # roll back rejected tokens; never recompute the accepted ones
         logits = self.runner.forward(torch.tensor(token_ids[keep:], dtype=torch.long), num_logits)
         self._tokens = list(token_ids)

@@ -43,14 +43,23 @@ def supports(model: PreTrainedModel) -> bool:
         and getattr(config, "hidden_act", "silu") == "silu"
         and sliding_window is None  # a window would need its own mask
         and not getattr(config, "mlp_bias", False)
+        # longrope picks its frequencies by the current sequence length on every forward;
+        # the rope tables here are computed once, for the cache's capacity. ("dynamic" only
+        # changes them past max_position_embeddings, which is also this runner's max_length.)
+        and _rope_type(config) != "longrope"
     )
+
+
+def _rope_type(config) -> str:
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    return rope_parameters.get("rope_type", "default")
 
 
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
     qkv: Projection  # hidden -> (heads + 2 * kv_heads) * head_dim, with a bias in Qwen2
-    o: Projection  # heads * head_dim -> hidden
+    o: Projection  # heads * head_dim -> hidden, with a bias in Llama with attention_bias=True
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: Projection  # hidden -> 2 * intermediate
     down: Projection  # intermediate -> hidden
@@ -183,7 +192,7 @@ def _fuse(layer: torch.nn.Module, quantization: str | None, packed_rows: tuple[i
     return _Layer(
         attn_norm=layer.input_layernorm.weight.detach(),
         qkv=projection(torch.cat([p.weight for p in q_k_v]), qkv_bias, quantization, packed_rows),
-        o=projection(attn.o_proj.weight, None, quantization, packed_rows),
+        o=projection(attn.o_proj.weight, attn.o_proj.bias, quantization, packed_rows),
         mlp_norm=layer.post_attention_layernorm.weight.detach(),
         gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization, packed_rows),
         down=projection(mlp.down_proj.weight, None, quantization, packed_rows),

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, cache_utils
+
+# transformers' linear-attention cache layers (and hybrids): a crop cannot take their
+# recurrent state back
+_RECURRENT_LAYERS = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
 
 
 class HFModelRunner:
@@ -31,17 +35,40 @@ class HFModelRunner:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        out = self.model(
-            input_ids=token_ids.to(self.device)[None],
-            cache=self._cache,  # updated in place
-            use_cache=True,
-            logits_to_keep=num_logits,
-        )
+        try:
+            out = self.model(
+                input_ids=token_ids.to(self.device)[None],
+                cache=self._cache,  # updated in place
+                use_cache=True,
+                logits_to_keep=num_logits,
+            )
+        except BaseException:
+            # a forward that fails part-way (out of memory, an interrupt) has appended the new
+            # positions to the layers that ran and not to the others: take them off again
+            self._restore()
+            raise
         self._length += token_ids.shape[0]
         return out.logits[0, -num_logits:].float().cpu()
 
     def crop(self, length: int) -> None:
         if length < self._length:
-            # transformers 5.x: a negative argument removes that many positions from the end
-            self._cache.crop(length - self._length)
+            self._crop_layers(length, self._length)
             self._length = length
+
+    def _restore(self) -> None:
+        """Every layer back to the cached length after a failed forward (or an empty cache,
+        where a recurrent state the failed forward may have advanced cannot be taken back)."""
+        if any(isinstance(layer, _RECURRENT_LAYERS) for layer in self._cache.layers):
+            self.reset()
+        else:
+            self._crop_layers(self._length, self._length)
+
+    def _crop_layers(self, length: int, cached: int) -> None:
+        """Keep the first `length` positions of every layer, by the length each one really
+        holds (after a failed forward they differ); `cached`: what layers that report no
+        length of their own (linear attention, transformers' DummyLayer) are taken to hold."""
+        for layer in self._cache.layers:
+            held = layer.get_seq_length() if isinstance(layer, cache_utils.CacheLayerMixin) else cached
+            if held > length:
+                # transformers 5.x: a negative argument removes that many positions from the end
+                layer.crop(length - held)

@@ -1,8 +1,11 @@
 """Request and response bodies in the shape of OpenAI's completions and chat APIs.
 
-The models check types only; value ranges (max_tokens, temperature, ...) are checked by
-app.py, which knows the model's context length, so that a wrong type is a 422 and a wrong
-value a 400 with the parameter named. Unknown fields are ignored, as OpenAI-style servers do.
+The models check types only; value ranges (max_tokens, temperature, ...) are checked by the
+engine (and the few bounds of OpenAI's own by routes.py), so that a wrong type is a 422 and
+a wrong value a 400 with the parameter named. A field this server does not implement is a
+400 naming it, not silently ignored: unknown fields are refused, and OpenAI's fields that
+change the output (logit_bias, logprobs, penalties, ...) are accepted only with the value
+that changes nothing (see `_Request.unsupported`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,22 @@ class SpeculativeOptions(BaseModel):
     num_speculative_tokens: int | None = None  # most draft tokens per step; 0: target-only
 
 
+# OpenAI (and vLLM) fields not implemented here, each with the value that leaves the output as it is
+NO_OP_VALUES = {
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
@@ -38,6 +55,20 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None  # the response's `speculative` holds the stats
+    user: str | None = None  # accepted and unused, as OpenAI uses it only for abuse monitoring
+    logit_bias: dict | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field given a value this server cannot honour, if any."""
+        return next((name for name, no_op in NO_OP_VALUES.items() if getattr(self, name) not in no_op), None)
 
 
 class CompletionRequest(_Request):

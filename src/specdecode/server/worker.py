@@ -17,12 +17,13 @@ whose client went away is dropped between steps, freeing its slot.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -116,6 +117,7 @@ class EngineWorker:
         self._queue: queue.Queue[RequestHandle] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._stopping = False
+        self._aborting = False  # a second signal: fail what is held, return after this step
         self._running = threading.Event()  # the engine loop is running (in some thread)
         self._retrying = Retrying(
             retry=retry_if_exception_type(Exception),  # not BaseException: a crash is the loop's to handle
@@ -159,6 +161,11 @@ class EngineWorker:
         while self.alive and time.monotonic() < deadline:
             time.sleep(ADMIT_POLL_S)
 
+    def abort(self) -> None:
+        """Stop at once (a second SIGINT): every queued and running request fails with
+        ShuttingDownError, and the loop returns after its current step."""
+        self._stopping = self._aborting = True
+
     @property
     def alive(self) -> bool:
         return self._running.is_set()
@@ -177,10 +184,19 @@ class EngineWorker:
 
     def _serve(self) -> None:
         while not (self._stopping and self._queue.empty() and not self.decoder.active):
+            if self._aborting:
+                self._fail_everything(ShuttingDownError("the server was stopped before this request finished"))
+                return
             self._admit()
             self._drop_cancelled_and_late()
             if self.decoder.active:
                 self._deliver(self._step(list(self.decoder.active)))
+
+    def _fail_everything(self, error: Exception) -> None:
+        for seq in list(self.decoder.active):
+            self._fail(seq, error)
+        while not self._queue.empty():
+            self._resolve(self._queue.get_nowait(), error=error)
 
     def _recover(self) -> None:
         for seq in list(self.decoder.active):
@@ -205,8 +221,7 @@ class EngineWorker:
             try:
                 seq = self._sequence(handle)
             except Exception as error:  # noqa: BLE001 - the request's fault (too long, bad ids): its error
-                handle.future.set_exception(error)
-                handle.publish(None)
+                self._resolve(handle, error=error)
                 continue
             handle.started_at = time.perf_counter()
             self.decoder.add(seq)
@@ -258,11 +273,13 @@ class EngineWorker:
         return emitted
 
     def _step_with_retries(self, sequences: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        requests = [seq.tag.request for seq in sequences]
+        after_forward = None if self.faults is None else functools.partial(self.faults.after_forward, requests)
         for attempt in self._retrying:
             with attempt:
                 if self.faults is not None:
-                    self.faults.before_step([seq.tag.request for seq in sequences])
-                return self.decoder.step(sequences)
+                    self.faults.before_step(requests)
+                return self.decoder.step(sequences, after_forward)
 
     def _deliver(self, emitted: list[tuple[Sequence, list[int]]]) -> None:
         now = time.perf_counter()
@@ -282,14 +299,25 @@ class EngineWorker:
         seq.stats.wall_time_s = time.perf_counter() - handle.started_at
         try:
             result = self.engine.result(seq)
+            self._record(handle, result)
+            if handle.request.stream:
+                self._publish_text(handle, result.text, final=True)
         except Exception as error:  # noqa: BLE001 - out of the batch already: answer it here or never
-            handle.future.set_exception(error)
-            handle.publish(None)
+            self._resolve(handle, error=error)
             return
-        self._record(handle, result)
-        handle.future.set_result(result)
-        if handle.request.stream:
-            self._publish_text(handle, result.text, final=True)
+        self._resolve(handle, result)
+
+    @staticmethod
+    def _resolve(handle: RequestHandle, result: GenerationResult | None = None, error: BaseException | None = None):
+        """Answer the request once, whatever its client did meanwhile: a client that hung up
+        has cancelled the Future, and setting it then must not crash the engine loop."""
+        try:
+            if error is None:
+                handle.future.set_result(result)
+            else:
+                handle.future.set_exception(error)
+        except InvalidStateError:
+            pass  # cancelled by its client, or answered already
         handle.publish(None)
 
     def _publish_text(self, handle: RequestHandle, text: str, final: bool) -> None:
@@ -303,8 +331,7 @@ class EngineWorker:
         if seq.slot is not None:
             self.decoder.remove(seq)
         logger.warning("request failed: %r", error)
-        seq.tag.future.set_exception(error)
-        seq.tag.publish(None)
+        self._resolve(seq.tag, error=error)
 
     def _end(self, handle: RequestHandle, reason: str) -> None:
         self.metrics.requests_finished.labels(reason).inc()

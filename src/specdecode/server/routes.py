@@ -1,0 +1,216 @@
+"""The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+
+Each handler checks the request (the engine's own checks, run here so that a bad value is
+answered at once), hands one request per choice to the worker and awaits the results.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
+
+from specdecode.engine import GenerationResult, SpeculativeEngine
+from specdecode.errors import SpecDecodeError
+from specdecode.server import schemas
+from specdecode.server.errors import API_NAMES, APIError
+from specdecode.server.metrics import ServerMetrics
+from specdecode.server.streaming import outcomes, stream
+from specdecode.server.worker import (
+    EngineWorker,
+    GenerationRequest,
+    QueueFullError,
+    RequestHandle,
+    ShuttingDownError,
+)
+
+MAX_CHOICES = 8  # n, choices per request
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+
+
+@dataclass
+class ServerState:
+    """What the handlers share: `app.state.server`."""
+
+    engine: SpeculativeEngine
+    worker: EngineWorker
+    metrics: ServerMetrics
+    model_name: str
+    api_key: str | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.target_runner.max_length
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def check_api_key(request: Request) -> None:
+    api_key = _state(request).api_key
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # compare_digest: the time taken must not tell how much of the key was right
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        message = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+        raise APIError(401, message, type="authentication_error", code="invalid_api_key")
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+
+@v1.get("/models")
+async def list_models(http: Request) -> schemas.ModelList:
+    state = _state(http)
+    card = schemas.ModelCard(id=state.model_name, created=state.created, max_model_len=state.context_length)
+    return schemas.ModelList(data=[card])
+
+
+@v1.post("/completions")
+async def completions(body: schemas.CompletionRequest, http: Request):
+    state = _state(http)
+    if isinstance(body.prompt, str) and not body.prompt.strip() or body.prompt == []:
+        raise APIError(400, "the prompt is empty; give some text to continue", param="prompt")
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
+    handles = _submit(state, _generation_requests(state, body, body.prompt, max_tokens))
+    head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
+    if body.stream:
+
+        def chunk(text: str, reason: str | None = None) -> schemas.CompletionResponse:
+            return schemas.CompletionResponse(
+                **head, choices=[schemas.CompletionChoice(text=text, finish_reason=reason)]
+            )
+
+        def tail(result: GenerationResult) -> list[BaseModel]:
+            usage = schemas.CompletionResponse(
+                **head, choices=[], usage=_usage(result), speculative=result.stats.to_dict()
+            )
+            return [chunk("", result.finish_reason)] + ([usage] if _wants_usage(body) else [])
+
+        return await stream(handles[0], http, state.metrics, "prompt", [], chunk, tail)
+    results = await outcomes(handles, http, "prompt")
+    choices = [
+        schemas.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)
+    ]
+    return schemas.CompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
+    state = _state(http)
+    if not any(m.text().strip() for m in body.messages):
+        raise APIError(400, "the messages are empty; give at least one with text", param="messages")
+    prompt, templated = _chat_prompt(state.engine, body.messages)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # no limit given: up to the end of the context, as OpenAI's chat API does
+    max_tokens = max_tokens if max_tokens is not None else state.context_length
+    handles = _submit(state, _generation_requests(state, body, prompt, max_tokens, templated))
+    head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
+    if body.stream:
+
+        def chunk(text: str | None, reason: str | None = None, role: str | None = None) -> schemas.ChatCompletionChunk:
+            choice = schemas.ChatChunkChoice(delta=schemas.Delta(role=role, content=text), finish_reason=reason)
+            return schemas.ChatCompletionChunk(**head, choices=[choice])
+
+        def tail(result: GenerationResult) -> list[BaseModel]:
+            usage = schemas.ChatCompletionChunk(
+                **head, choices=[], usage=_usage(result), speculative=result.stats.to_dict()
+            )
+            return [chunk(None, result.finish_reason)] + ([usage] if _wants_usage(body) else [])
+
+        # OpenAI opens a chat stream with the role
+        return await stream(handles[0], http, state.metrics, "messages", [chunk("", role="assistant")], chunk, tail)
+    results = await outcomes(handles, http, "messages")
+    choices = [
+        schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+        for i, r in enumerate(results)
+    ]
+    return schemas.ChatCompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
+
+
+def _generation_requests(
+    state: ServerState, body: schemas._Request, prompt: str | list[int], max_tokens: int, templated: bool = False
+) -> list[GenerationRequest]:
+    """The worker's requests, one per choice (n), choice i seeded seed + i when a seed is given;
+    checked first: the model's name, OpenAI's own bounds, then the engine's checks."""
+    if body.model != state.model_name:
+        message = f"the model '{body.model}' does not exist; this server serves '{state.model_name}'"
+        raise APIError(404, message, param="model", code="model_not_found")
+    if (field_name := body.unsupported()) is not None:
+        message = f"{field_name} is not supported by this server; leave it out (or at its default)"
+        raise APIError(400, message, param=field_name, code="unsupported_parameter")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
+    if body.n > 1 and body.stream:
+        raise APIError(400, "n > 1 cannot be streamed yet; ask without stream, or for n = 1", param="n")
+    if not 1 <= max_tokens <= state.context_length:
+        message = f"max_tokens must be in [1, {state.context_length}] (the context length), got {max_tokens}"
+        raise APIError(400, message, param="max_tokens")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature > MAX_TEMPERATURE:
+        raise APIError(400, f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", param="temperature")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    top_k = None if body.top_k == -1 else body.top_k  # vLLM's "off"
+    k = body.speculative.num_speculative_tokens if body.speculative is not None else None
+    seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
+    for seed in seeds:
+        try:
+            state.engine.settings(max_tokens, temperature, top_k, body.top_p, seed, stop or None, k)
+        except SpecDecodeError as error:
+            raise APIError(400, str(error), param=API_NAMES.get(error.param, error.param)) from None
+    return [
+        GenerationRequest(
+            prompt, max_tokens, temperature, body.top_p, top_k, seed, stop, k, templated=templated, stream=body.stream
+        )
+        for seed in seeds
+    ]
+
+
+def _submit(state: ServerState, requests: list[GenerationRequest]) -> list[RequestHandle]:
+    """Queue every choice's request, or none of them."""
+    handles = []
+    try:
+        for request in requests:
+            handles.append(state.worker.submit(request))
+    except (QueueFullError, ShuttingDownError) as error:
+        for handle in handles:
+            handle.cancel()
+        if isinstance(error, QueueFullError):
+            raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
+        raise APIError(503, str(error), type="server_error", code="shutting_down") from None
+    return handles
+
+
+def _chat_prompt(engine: SpeculativeEngine, messages: list[schemas.ChatMessage]) -> tuple[str, bool]:
+    """The prompt text, and whether it is a rendered chat template (with its special tokens)."""
+    tokenizer = engine.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False), True
+        except Exception as error:  # templates raise on what they do not accept (roles out of order, ...)
+            raise APIError(400, f"the model's chat template refused the messages: {error}", param="messages") from None
+    # a base model without a template: its contents, one message a line, to be continued
+    return "\n".join(m.text() for m in messages), False
+
+
+def _usage(*results: GenerationResult) -> schemas.Usage:
+    prompt, completion = len(results[0].prompt_token_ids), sum(len(r.token_ids) for r in results)
+    return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _stats(results: list[GenerationResult]) -> dict | list[dict]:
+    """Our speculative stats: the request's, or one per choice when n > 1."""
+    return results[0].stats.to_dict() if len(results) == 1 else [r.stats.to_dict() for r in results]
+
+
+def _wants_usage(body: schemas._Request) -> bool:
+    """A stream ends with a chunk of usage (and our stats) only when the client asks for it."""
+    return body.stream_options is not None and body.stream_options.include_usage
