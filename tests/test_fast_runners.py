@@ -317,3 +317,26 @@ def test_longrope_is_left_to_transformers():
     assert isinstance(runner_for(longrope), HFModelRunner)
     assert fast_llama.supports(llama({"rope_type": "linear", "factor": 2.0}))
     assert fast_llama.supports(llama({"rope_type": "dynamic", "factor": 2.0}))
+
+
+def one_row_vs_batched_differences(product, inputs: int = 1536, rows: int = 64) -> int:
+    """Rows whose bits differ between a product of that row alone and of up to 32 rows with it,
+    for a weight of SmolLM2's down projection's shape (the one seen to differ) and random rows."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, inputs, generator=generator).bfloat16()
+    alone = torch.cat([product(x[i : i + 1]) for i in range(rows)])
+    together = torch.cat([product(chunk) for chunk in x.split(32)])
+    return int((alone != together).any(dim=1).sum())
+
+
+def test_bfloat16_rows_get_the_same_bits_alone_and_among_others():
+    weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert one_row_vs_batched_differences(quantization.projection(weight, None, None)) == 0
+
+
+@pytest.mark.skipif(AMX, reason="measured on a CPU without AMX, whose one-row kernel rounds differently")
+def test_bfloat16_one_row_products_unpadded_would_differ_without_amx():
+    """Negative control of the test above: oneDNN's one-row kernel alone does round differently."""
+    weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
+    product = quantization.projection(weight, None, None)
+    assert one_row_vs_batched_differences(product._onednn_kernel) > 0

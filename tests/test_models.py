@@ -1,5 +1,7 @@
 """The .gguf conversion cache: one folder per file content, safe when two processes convert at once."""
 
+import torch
+
 from helpers import tiny_llama, tiny_tokenizer
 from specdecode import loading as models
 
@@ -47,3 +49,11 @@ def test_a_conversion_that_loses_the_race_keeps_the_winners_folder(tmp_path, mon
     models._convert_gguf(tmp_path / "m.gguf", folder)
     assert (folder / "model.safetensors").read_text() == "theirs"
     assert [p.name for p in folder.parent.iterdir()] == ["m-123"]  # our staging folder is gone
+
+
+def test_auto_precision_is_float32_on_cuda_until_half_precision_is_shown_exact_there():
+    """On CUDA nothing yet shows that a verified row gets the bits of decoding it alone in half
+    precision (benchmarks/gpu_exactness.py checks it), so `auto` keeps the exact float32."""
+    assert models.resolve_dtype("auto", torch.device("cuda")) == torch.float32
+    assert models.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert models.resolve_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16

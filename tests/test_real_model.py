@@ -84,3 +84,28 @@ def test_batched_greedy_output_equals_transformers_generate_on_the_real_model(en
         with torch.no_grad():
             expected = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
         assert result.token_ids == expected, prompt
+
+
+def test_bfloat16_batches_and_speculation_reproduce_bfloat16_target_only_decoding():
+    """In bfloat16 a token's logits must not depend on what shares its forward: the first 10
+    prompts of the shipped Spec-Bench subset, 16 tokens each, speculative alone and batched
+    (8 at a time) against target-only decoding one prompt at a time. On an AMD EPYC without
+    AMX this failed (prompt 6 of 10, batched) before one-row products were padded to two."""
+    import json
+
+    from specdecode.bench.prompts import default_prompt_file
+    from specdecode.drafters.factory import DrafterOptions
+
+    with open(default_prompt_file()) as lines:
+        prompts = [json.loads(line)["turns"][0] for line in list(lines)[:10]]
+    options = DrafterOptions(adaptive=False)
+    bf16 = SpeculativeEngine.from_pretrained(drafter="prompt-lookup", device="cpu", dtype="bfloat16", options=options)
+    kwargs = dict(max_new_tokens=16, chat=True)
+    expected = [bf16.generate(p, speculative=False, **kwargs)[0].token_ids for p in prompts]
+    alone = bf16.generate(prompts, **kwargs)
+    assert [r.token_ids for r in alone] == expected
+    assert sum(r.stats.accepted_tokens for r in alone) > 0
+    batched = bf16.generate_batched(prompts, max_batch_size=8, **kwargs)
+    assert [r.token_ids for r in batched] == expected
+    target_only_batched = bf16.with_drafter(None, 0).generate_batched(prompts, max_batch_size=8, **kwargs)
+    assert [r.token_ids for r in target_only_batched] == expected

@@ -233,3 +233,23 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_faults_inside_the_transformers_runners_forward_are_rolled_back(tiny_model_dir, expected):
+    """A failure part-way through transformers' forward (after some layers cached the new
+    tokens): the retried step runs on a cache rolled back to its real length, so every answer
+    is still exactly the greedy one."""
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir, runner="transformers")
+    calls = {"n": 0}
+
+    def fail_now_and_then(module, args):
+        calls["n"] += 1
+        if calls["n"] % 4 == 0:
+            raise RuntimeError("injected fault inside the forward")
+
+    engine.target_runner.model.model.layers[1].register_forward_pre_hook(fail_now_and_then)
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        client = new_client(url)
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda p: greedy(client, p), PROMPTS)) == [expected[p] for p in PROMPTS]
+        assert metric(httpx.get(f"{url}/metrics").text, "specdecode:engine_step_retries_total") > 0

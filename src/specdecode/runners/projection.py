@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specdecode.runners.cpu import has_amx
+
 QUANTIZATIONS = (None, "int8")
 ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for; 1-500 rows measured no slower
 ONEDNN_INVARIANT_ROWS = 32  # most rows per oneDNN product whose results do not depend on each other
@@ -36,6 +38,11 @@ class Projection:
     scales: torch.Tensor | None = None  # [out], only for an int8 weight
     onednn: torch.Tensor | None = None  # half-precision W reordered for oneDNN (CPU), see projection()
     packed: dict[int, torch.Tensor] = field(default_factory=dict)  # rows (ascending) -> W packed for them
+    # oneDNN's one-row kernel may round a row differently from its kernel for 2-32 rows: on an
+    # AMD EPYC with AVX512-BF16 and no AMX, products with 1536 inputs gave some rows other bits
+    # alone than beside others, depending on the data, while 2 to 32 rows always agreed
+    # (measured; on AMX CPUs 1 to 32 rows agreed). Without AMX one row runs padded to two.
+    pad_one_row: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         if self.scales is not None:
@@ -46,6 +53,7 @@ class Projection:
             # not beyond (measured): in chunks of 32 a row never depends on its batch
             if x.shape[0] <= ONEDNN_INVARIANT_ROWS:  # decoding and verification: no copy
                 return self._onednn(x)
+            # a last chunk of one row takes the one-row kernel too: padded where that differs
             return torch.cat([self._onednn(chunk) for chunk in x.split(ONEDNN_INVARIANT_ROWS)])
         n = x.shape[0]
         # padding to more than twice the rows costs more than it saves (measured: profile.txt)
@@ -56,6 +64,11 @@ class Projection:
         return torch.ops.mkl._mkl_linear(padded, self.packed[rows], self.weight, self.bias, rows)[:n]
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.pad_one_row:
+            return self._onednn_kernel(F.pad(x, (0, 0, 0, 1)))[:1]
+        return self._onednn_kernel(x)
+
+    def _onednn_kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
 
 
@@ -71,9 +84,8 @@ def projection(
         # F.linear computes a row differently with other rows beside it, the reordered
         # product does not (what FastLlamaRunner's exact verification needs); one row costs
         # ~10% more, 5-100 rows 10-25% less.
-        return Projection(
-            weight, bias, onednn=torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
-        )
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
+        return Projection(weight, bias, onednn=reordered, pad_one_row=not has_amx())
     if quantization is None:
         return Projection(
             weight, bias, packed={m: _mkl_pack(weight, m) for m in sorted(packed_rows) if mkl_packing(weight)}
