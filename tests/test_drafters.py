@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import nearby_draft, permuted_vocabulary, tiny_llama, tiny_tokenizer
+from helpers import hf_greedy, nearby_draft, permuted_vocabulary, tiny_llama, tiny_tokenizer
 from specdecode import SpeculativeEngine
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import AutoDrafter, CrossTokenizerDrafter, ModelDrafter, PromptLookupDrafter
@@ -142,3 +142,23 @@ def test_cli_builds_drafters_from_its_options(tiny_model_dir):
         stats = json.loads(result.stdout)["stats"]
         assert (stats["drafter"], stats["k_policy"]) == (drafter, policy)
         assert sum(stats["drafted_histogram"].values()) == stats["target_forwards"]
+
+
+@pytest.mark.parametrize("kind", ["model", "cross-tokenizer"])
+def test_a_draft_with_a_shorter_context_stops_drafting_at_its_end(kind):
+    """A draft whose context (16 positions) ends long before the target's (128): it drafts while
+    it can, then proposes nothing, and the output is still the target's own greedy output."""
+    target = tiny_llama(seed=1)
+    short = tiny_llama(seed=1, max_positions=16)
+    short.load_state_dict(target.state_dict())  # the same weights: its drafts are accepted
+    if kind == "model":
+        drafter = ModelDrafter(HFModelRunner(short))
+    else:
+        draft, draft_tokenizer = permuted_vocabulary(short)
+        drafter = CrossTokenizerDrafter(HFModelRunner(draft), draft_tokenizer, tiny_tokenizer())
+    engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=4)
+    prompt = [3, 5, 7, 2, 9, 4]
+    result = engine.generate([prompt], max_new_tokens=40)[0]
+    assert result.token_ids == hf_greedy(target, prompt, 40)
+    assert result.stats.accepted_tokens >= 5  # drafted while the draft's context lasted
+    assert result.stats.drafted_histogram.get(0, 0) > 20  # then only target steps

@@ -30,11 +30,15 @@ def engine():
         (dict(prompts="w1 w2", max_new_tokens=0), "max_new_tokens must be at least 1"),
         (dict(prompts="w1 w2", max_new_tokens=-3), "max_new_tokens must be at least 1"),
         (dict(prompts="w1 w2", temperature=-0.5), "temperature must be >= 0"),
+        (dict(prompts="w1 w2", temperature=float("nan")), "temperature must be >= 0"),
+        (dict(prompts="w1 w2", temperature=float("inf")), "temperature must be >= 0"),
         (dict(prompts="w1 w2", top_p=0.0), "top_p must be in (0, 1]"),
         (dict(prompts="w1 w2", top_p=1.5), "top_p must be in (0, 1]"),
         (dict(prompts="w1 w2", top_k=0), "top_k must be a positive integer"),
         (dict(prompts=" ".join(["w3"] * 40)), "the prompt has 40 tokens but the model's context holds 32"),
         (dict(prompts="w1 w2", stop=[""]), "stop strings must not be empty"),
+        (dict(prompts="w1 w2", stop=["w1", "w2", "w3", "w4", "w5"]), "at most 4 stop strings, got 5"),
+        (dict(prompts="w1 w2", stop="w" * 1025), "at most 1024 characters, got one of 1025"),
     ],
 )
 def test_bad_generation_arguments(engine, kwargs, message):
@@ -42,6 +46,19 @@ def test_bad_generation_arguments(engine, kwargs, message):
         engine.generate(**kwargs)
     assert isinstance(error.value, ValueError)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [["a"] * 5, ["a", "b", "c", "d", "e", "f"], "x" * 1025, ["ok", "y" * 250_000], ["z" * 250_000] * 4],
+    ids=["5 strings", "6 strings", "1025 characters", "250 KB", "4 x 250 KB"],
+)
+def test_stop_strings_are_bounded_in_number_and_length(engine, stop):
+    with pytest.raises(InvalidArgumentError) as error:
+        engine.settings(16, 0.0, None, None, None, stop)
+    assert error.value.param == "stop"
+    # at the bounds they are accepted
+    engine.settings(16, 0.0, None, None, None, ["a", "b", "c", "x" * 1024])
 
 
 def test_prompt_over_the_context_is_its_own_error(engine):

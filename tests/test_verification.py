@@ -1,12 +1,13 @@
 """The accept/reject rule on hand-made p and q."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from specdecode.core.sampling import SamplingParams, logits_to_probs
-from specdecode.core.verification import verify, verify_greedy
+from specdecode.core.verification import verify, verify_greedy, verify_logits
 
 
 def _probs(*rows):
@@ -102,3 +103,74 @@ def test_the_greedy_shortcut_equals_the_rule_with_one_hot_p(k, seed, vocab, one_
     q = None if one_hot_draft else torch.softmax(torch.randn(k, vocab, generator=g), dim=-1)
     p = logits_to_probs(logits, SamplingParams(0.0))
     assert verify_greedy(draft, logits) == verify(draft, q, p, torch.Generator().manual_seed(seed))
+
+
+# --- non-finite numbers: tiny temperatures are greedy, NaN never passes for a probability ---
+
+
+def test_a_tiny_temperature_is_greedy_and_gives_finite_one_hot_probabilities():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, 0.25, 0.0, 4.0]])
+    for temperature in (1e-38, 1e-30, 1e-6):
+        params = SamplingParams(temperature)
+        assert params.greedy
+        assert torch.equal(logits_to_probs(logits, params), torch.eye(4)[[1, 3]])
+    assert not SamplingParams(1e-5).greedy and not SamplingParams(0.5).greedy
+    # just above the threshold the tempered distribution is finite, and all but one-hot here
+    probs = logits_to_probs(logits, SamplingParams(1e-5))
+    assert torch.isfinite(probs).all() and torch.allclose(probs, torch.eye(4)[[1, 3]])
+
+
+def test_a_tiny_temperature_through_the_engine_gives_the_greedy_output():
+    from helpers import tiny_llama
+    from specdecode import SpeculativeEngine
+    from specdecode.drafters import PromptLookupDrafter
+
+    engine = SpeculativeEngine(tiny_llama(seed=1), drafter=PromptLookupDrafter(), num_speculative_tokens=4)
+    prompts = [[3, 5, 7, 2, 3, 5, 7], [20, 3, 20, 3, 20]]
+    greedy = [r.token_ids for r in engine.generate(prompts, max_new_tokens=30, temperature=0.0)]
+    for seed in (None, 0):
+        results = engine.generate(prompts, max_new_tokens=30, temperature=1e-38, seed=seed)
+        assert [r.token_ids for r in results] == greedy
+    assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified and kept
+
+
+def test_nan_in_p_rejects_that_draft():
+    nan = float("nan")
+    p = _probs([0.2, 0.8, 0.0], [nan, 0.5, 0.5], [0.1, 0.1, 0.8], [1.0, 0.0, 0.0])
+    q = _probs([0.2, 0.8, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0])
+    for seed in range(100):
+        verdict = verify(torch.tensor([1, 0, 2]), q, p, torch.Generator().manual_seed(seed))
+        # x_1 is always accepted (q <= p); x_2 = 0 has p = NaN: rejected, never accepted
+        assert verdict.num_accepted == 1
+        assert verdict.next_token in (1, 2)  # from the residual, which has no mass on the NaN
+    # a NaN in the draft's q rejects too
+    q_nan = _probs([nan, 0.5, 0.5])
+    p_one = _probs([0.5, 0.5, 0.0], [1.0, 0.0, 0.0])
+    for seed in range(20):
+        assert verify(torch.tensor([0]), q_nan, p_one, torch.Generator().manual_seed(seed)).num_accepted == 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7, top_k=2, top_p=0.9)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_target_logits_raise_a_clear_error(params, bad):
+    logits = torch.tensor([[1.0, 2.0, 0.5, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    logits[1, 2] = bad
+    problem = "NaN" if bad != bad else r"\+inf"
+    with pytest.raises(ValueError, match=problem):
+        logits_to_probs(logits, params)
+    with pytest.raises(ValueError, match=problem):
+        verify_logits(torch.tensor([1]), None, logits, params, torch.Generator().manual_seed(0))
+    every_token_masked = torch.full((2, 4), float("-inf"))
+    with pytest.raises(ValueError, match="-inf"):
+        logits_to_probs(every_token_masked, params)
+
+
+def test_minus_inf_logits_and_masks_still_work():
+    masked = torch.tensor([[float("-inf"), 2.0, 1.0, 0.0], [1.0, float("-inf"), float("-inf"), 0.0]])
+    probs = logits_to_probs(masked, SamplingParams(1.0))
+    assert torch.isfinite(probs).all() and probs[0, 0] == 0 and (probs[1, 1:3] == 0).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(2))
+    assert torch.equal(logits_to_probs(masked, SamplingParams(1.0, top_k=1)), torch.eye(4)[[1, 0]])
+    top_p = logits_to_probs(masked, SamplingParams(1.0, top_p=0.5))
+    assert torch.equal(top_p > 0, torch.eye(4, dtype=torch.bool)[[1, 0]])
+    assert torch.equal(logits_to_probs(masked, SamplingParams(0.0)), torch.eye(4)[[1, 0]])

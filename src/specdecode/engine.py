@@ -28,6 +28,11 @@ from specdecode.runners import ModelRunner, runner_for
 
 __all__ = ["DRAFTERS", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
 
+# a request's stop strings: as many as OpenAI allows, each of a bounded length (the check
+# after every step searches the new text and the longest stop string's length before it)
+MAX_STOP_STRINGS = 4
+MAX_STOP_STRING_CHARS = 1024
+
 
 @dataclass
 class GenerationResult:
@@ -209,6 +214,13 @@ class SpeculativeEngine:
             raise InvalidArgumentError("stop strings need a tokenizer; this engine has none", "stop")
         if any(not s for s in stop_strings):
             raise InvalidArgumentError("stop strings must not be empty", "stop")
+        if len(stop_strings) > MAX_STOP_STRINGS:
+            raise InvalidArgumentError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop_strings)}", "stop")
+        longest = max((len(s) for s in stop_strings), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise InvalidArgumentError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}", "stop"
+            )
         make_generator(seed)  # checks the seed
         k = self.num_speculative_tokens if num_speculative_tokens is None else _checked_k(num_speculative_tokens)
         decode = self.decode if self.tokenizer else None

@@ -4,15 +4,32 @@ The same `SamplingParams` must be applied to the target's logits (giving p) and 
 the draft's logits (giving q): the accept/reject rule is exact only for the p and q
 the tokens were really drawn from. Temperature 0 means greedy and gives a one-hot
 distribution on the argmax, so greedy decoding runs through the same rule.
+
+Temperatures below GREEDY_BELOW (1e-5, where vLLM draws the same line) are greedy too:
+dividing logits by 1e-38 overflows to inf and the softmax to NaN, and a temperature
+that small is greedy in all but ties anyway.
+
+Logits must be finite, or -inf for a token that cannot be produced: NaN or +inf in a
+model's output, or a row with every token at -inf, raises NonFiniteLogitsError rather
+than being sampled from.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from specdecode.errors import InvalidArgumentError
+
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits hold NaN or +inf (or a row is -inf everywhere): nothing can be drawn.
+
+    A ValueError, but not a SpecDecodeError: the request was valid, the model's numbers were not."""
 
 
 @dataclass(frozen=True)
@@ -22,9 +39,9 @@ class SamplingParams:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not 0 <= self.temperature < math.inf:  # NaN and inf too
             raise InvalidArgumentError(
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature}", "temperature"
+                f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature}", "temperature"
             )
         if self.top_k is not None and self.top_k < 1:
             raise InvalidArgumentError(f"top_k must be a positive integer or None, got {self.top_k}", "top_k")
@@ -33,15 +50,44 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small (< GREEDY_BELOW) that it is treated as 0."""
+        return self.temperature < GREEDY_BELOW
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn logits [..., vocab] into the distribution tokens are drawn from [..., vocab]."""
+    """Turn logits [..., vocab] into the distribution tokens are drawn from [..., vocab].
+    Raises NonFiniteLogitsError for NaN or +inf logits, or a row that is -inf everywhere."""
     if params.greedy:
-        # one-hot on the argmax (first index on ties, as torch.argmax and transformers do)
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        check_finite(logits)
+        return greedy_probs(logits)
     logits = logits.float() / params.temperature
+    check_finite(logits)  # after the division, which can overflow
+    return _processed_probs(logits, params)
+
+
+def greedy_probs(logits: torch.Tensor) -> torch.Tensor:
+    """One-hot on the argmax (first index on ties, as torch.argmax and transformers do)."""
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def check_finite(logits: torch.Tensor, row_max: torch.Tensor | None = None) -> None:
+    """Raise NonFiniteLogitsError unless every row's largest logit is finite: no NaN (max
+    propagates it), no +inf, and no row masked to -inf everywhere; -inf elsewhere is a mask.
+    row_max: logits.amax(-1), when the caller has it already."""
+    row_max = logits.amax(dim=-1) if row_max is None else row_max
+    if bool(torch.isfinite(row_max).all()):
+        return
+    if bool(torch.isnan(logits).any()):
+        problem = "NaN"
+    elif bool(torch.isposinf(logits).any()):
+        problem = "+inf (or a value the temperature overflowed)"
+    else:
+        problem = "a row that is -inf for every token"
+    raise NonFiniteLogitsError(f"the model's logits contain {problem}; there is no distribution to sample from")
+
+
+def _processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k, top-p and softmax of finite, tempered float32 logits."""
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.core.sampling import SamplingParams, check_finite, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,10 @@ def verify(
     positions = torch.arange(k)
     p_of_draft = target_probs[positions, draft_tokens]  # [k]
     q_of_draft = torch.ones(k) if draft_probs is None else draft_probs[positions, draft_tokens]  # [k]
-    # accept x_i with probability min(1, p(x_i) / q(x_i)); u < p/q  <=>  u * q < p
+    # accept x_i with probability min(1, p(x_i) / q(x_i)); u < p/q  <=>  u * q < p. Written
+    # as "accepted iff u * q < p" so that a NaN in p or q (every comparison False) rejects
     u = torch.rand(k, generator=generator)
-    rejected = (u * q_of_draft >= p_of_draft).nonzero()
+    rejected = (~(u * q_of_draft < p_of_draft)).nonzero()
     if rejected.numel() == 0:
         # all accepted: the bonus token comes from the target's distribution after the last draft
         return Verdict(k, int(sample(target_probs[k], generator)))
@@ -62,7 +63,8 @@ def _residual(
         q[draft_tokens[position]] = 1.0
     else:
         q = draft_probs[position]
-    residual = (p - q).clamp_min(0.0)
+    residual = p - q
+    residual = residual.where(residual > 0, 0.0)  # max(0, p - q), with a NaN counted as 0
     total = residual.sum()
     # p == q up to rounding: a rejection then had probability ~0, and p itself is the right law
     return residual / total if total > 1e-12 else p
@@ -76,7 +78,8 @@ def verify_logits(
     generator: torch.Generator | None,
 ) -> Verdict:
     """`verify` on the target's logits. At temperature 0, p is one-hot on the argmax, so the
-    rule is decided by comparing with the argmax directly: no distributions built, no draws."""
+    rule is decided by comparing with the argmax directly: no distributions built, no draws.
+    Raises NonFiniteLogitsError (sampling.py) for NaN or +inf logits."""
     if params.greedy:
         return verify_greedy(draft_tokens, target_logits)
     return verify(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator)
@@ -87,8 +90,10 @@ def verify_greedy(
     target_logits: torch.Tensor,  # [k + 1, vocab]
 ) -> Verdict:
     """Accept while the draft equals the target's argmax; then the argmax (the bonus token if
-    all were accepted). Equal to `verify` with one-hot p, whatever q was."""
-    argmax = target_logits.argmax(dim=-1)  # [k + 1], the first index on ties, as logits_to_probs
+    all were accepted). Equal to `verify` with one-hot p, whatever q was. Raises
+    NonFiniteLogitsError for NaN or +inf logits, as logits_to_probs does."""
+    row_max, argmax = target_logits.max(dim=-1)  # [k + 1], the first index on ties, as logits_to_probs
+    check_finite(target_logits, row_max)
     k = draft_tokens.shape[0]
     mismatches = (draft_tokens != argmax[:k]).nonzero()
     accepted = int(mismatches[0]) if mismatches.numel() else k

@@ -42,7 +42,8 @@ class CrossTokenizerDrafter:
         text = self.target_tokenizer.decode(token_ids)
         context = self.draft_tokenizer(text).input_ids  # re-encoded; the cache keeps the common prefix
         drafted: list[int] = []
-        for _ in range(k):  # draft tokens are about as long as target tokens
+        # draft tokens are about as long as target tokens; the draft's context may end first
+        for _ in range(min(k, self.runner.max_length - len(context))):
             logits = self._cached.logits(context + drafted)[-1]  # [vocab]
             drafted.append(int(logits.argmax()))
         tokens = self._to_target(token_ids, self._new_text(context, drafted))[:k]

@@ -26,7 +26,8 @@ class ModelDrafter:
     def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        for _ in range(k):
+        # the draft's own context may be shorter than the target's: it stops proposing there
+        for _ in range(min(k, self.runner.max_length - len(token_ids))):
             # the cache keeps everything but the newest token, so each call runs one position
             logits = self._cached.logits(token_ids + tokens)[-1]  # [vocab]
             q = logits_to_probs(logits, params)  # [vocab]
