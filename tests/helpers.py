@@ -110,6 +110,29 @@ def assert_drafted_and_accepted(results, name=None):
     assert sum(r.stats.accepted_tokens for r in results) > 0, name
 
 
+def adapting_on_acceptance(engine, monkeypatch) -> list[int]:
+    """Make the engine's adaptive k follow acceptance alone, whatever the machine's speed:
+    verification costs frozen at synthetic values that rise steeply past 3 tokens, drafting
+    at 2 ms a token. Returns the list that collects every k the policy chooses, so that a
+    test can check that k really adapted."""
+    from specdecode.core.adaptive import AdaptiveK
+
+    engine.decoder.costs.seconds = {1: 0.010, 2: 0.011, 3: 0.012, 4: 0.030, 5: 0.032, 6: 0.034}
+    monkeypatch.setattr(engine.decoder.costs, "record", lambda n, seconds: None)
+    monkeypatch.setattr(
+        AdaptiveK, "record_draft", lambda self, n, seconds: setattr(self, "draft_seconds_per_token", 0.002)
+    )
+    chosen: list[int] = []
+    choose = AdaptiveK.choose
+
+    def spy(self, k_max, batch_size=1):
+        chosen.append(choose(self, k_max, batch_size))
+        return chosen[-1]
+
+    monkeypatch.setattr(AdaptiveK, "choose", spy)
+    return chosen
+
+
 # --- sampling: the target's exact law and the G-test (test_distribution.py, test_batching.py) ---
 
 ALPHA = 0.001

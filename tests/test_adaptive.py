@@ -79,7 +79,12 @@ def test_greedy_output_with_adaptive_k_equals_transformers_generate(family):
     drafters["auto"] = AutoDrafter([drafters.pop("lookup"), drafters["random draft"]])
     for name, drafter in drafters.items():
         engine.drafter = drafter
+        runs = []
         for _ in range(2):  # the second pass starts from what the first measured
             results = engine.generate(PROMPTS, max_new_tokens=40)
             assert [r.token_ids for r in results] == expected, name
             assert all(r.stats.k_policy == "adaptive" for r in results)
+            runs += results
+        assert sum(r.stats.drafted_tokens for r in runs) > 0, name
+        if name != "random draft":  # whose drafts are there to be rejected
+            assert sum(r.stats.accepted_tokens for r in runs) > 0, name

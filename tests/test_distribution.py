@@ -8,12 +8,18 @@ significance ALPHA (seeds are fixed, so a pass is reproducible). Each test also 
 negative control that must fail: the same samples against the draft's distribution.
 """
 
+import numpy as np
 import pytest
 import torch
 
 from helpers import (
     ALPHA,
     DIST_VOCAB,
+    NUM_TOKENS,
+    PROMPT,
+    SAMPLES,
+    SKIP,
+    adapting_on_acceptance,
     exact_joint,
     g_test_pvalue,
     permuted_vocabulary,
@@ -24,6 +30,7 @@ from helpers import (
     tiny_tokenizer,
 )
 from specdecode import SpeculativeEngine
+from specdecode.decoder import decode_all
 from specdecode.drafters import CrossTokenizerDrafter, Draft, ModelDrafter, PromptLookupDrafter, self_quantized_drafter
 from specdecode.runners import HFModelRunner
 
@@ -68,13 +75,23 @@ def test_one_hot_prompt_lookup_keeps_target_distribution():
     assert g_test_pvalue(counts, exact_joint(other, params)) < ALPHA
 
 
-def test_adaptive_self_quantized_drafter_that_stops_when_unsure_keeps_target_distribution():
-    """k changes from step to step with past acceptance, and drafts end where the draft is unsure."""
+def test_adaptive_self_quantized_drafter_that_stops_when_unsure_keeps_target_distribution(monkeypatch):
+    """k changes from step to step with past acceptance, and drafts end where the draft is unsure.
+    Unseeded requests (a seed would hold k at its most), drawn from one seeded generator."""
     params = dict(temperature=1.0)
     target, other = target_and_draft(tiny_llama)
     drafter = self_quantized_drafter(target, "bfloat16", min_confidence=0.3)
     engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=3, adaptive=True)
-    counts = sample_counts(engine, 3, params, seed=11)
+    chosen = adapting_on_acceptance(engine, monkeypatch)
+    settings = engine.settings(SKIP + 4, params["temperature"], None, None, None, None)
+    generator = torch.Generator().manual_seed(11)
+    sequences = [engine.sequence(PROMPT, settings, generator, fork=False) for _ in range(SAMPLES)]
+    decode_all(engine.decoder, sequences)
+    counts = np.zeros(DIST_VOCAB**NUM_TOKENS)
+    for seq in sequences:
+        counts[np.ravel_multi_index(seq.generated[SKIP : SKIP + NUM_TOKENS], [DIST_VOCAB] * NUM_TOKENS)] += 1
+    assert len(set(chosen)) >= 2, set(chosen)  # k really adapted
+    assert all(seq.stats.k_policy == "adaptive" for seq in sequences)
     assert g_test_pvalue(counts, exact_joint(target, params)) > ALPHA
     assert g_test_pvalue(counts, exact_joint(other, params)) < ALPHA
 

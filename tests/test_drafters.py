@@ -162,3 +162,21 @@ def test_a_draft_with_a_shorter_context_stops_drafting_at_its_end(kind):
     assert result.token_ids == hf_greedy(target, prompt, 40)
     assert result.stats.accepted_tokens >= 5  # drafted while the draft's context lasted
     assert result.stats.drafted_histogram.get(0, 0) > 20  # then only target steps
+
+
+def test_lookup_history_reaches_the_sequences_of_batches_and_the_next_call():
+    """Batched sequences (and the server's requests) run on forks of the drafter: the text each
+    finished with must reach the history that every fork searches."""
+    target = tiny_llama(seed=1)
+    first = [3, 5, 7, 2]
+    answer = SpeculativeEngine(target).generate([first], max_new_tokens=30, speculative=False)[0].token_ids
+    replay = first + answer[:12]  # continues as the first answer did: only the history holds the rest
+
+    def accepted(use_history: bool) -> int:
+        engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(2, 3, use_history=use_history))
+        engine.generate_batched([first, [20, 3, 20, 3]], max_new_tokens=30, max_batch_size=2)
+        result = engine.generate_batched([replay], max_new_tokens=12)[0]
+        assert result.token_ids == answer[12:24]
+        return result.stats.accepted_tokens
+
+    assert accepted(use_history=True) > accepted(use_history=False) + 4

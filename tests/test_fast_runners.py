@@ -22,13 +22,14 @@ from transformers import (
 )
 
 from helpers import GREEDY_PROMPTS as PROMPTS
-from helpers import hf_greedy, tiny_gpt2, tiny_llama
+from helpers import assert_drafted_and_accepted, hf_greedy, tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine
 from specdecode.drafters import PromptLookupDrafter
-from specdecode.runners import CachedSequence, HFModelRunner, fast_llama, runner_for
+from specdecode.runners import CachedSequence, HFModelRunner, fast_llama, runner_for, slots
 from specdecode.runners import projection as quantization
 from specdecode.runners.fast_gpt2 import FastGPT2Runner
 from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.runners.static_cache import StaticKVCache
 
 
 def tiny_qwen2(seed: int):
@@ -248,13 +249,16 @@ def test_bfloat16_speculation_reproduces_bfloat16_target_only_decoding():
 
 
 def test_cache_grows_past_its_initial_capacity(monkeypatch):
-    monkeypatch.setattr(fast_llama, "INITIAL_CAPACITY", 8)
+    monkeypatch.setattr(slots, "SLOT_CAPACITY", 8)
+    grown = []
+    grow = StaticKVCache._grow
+    monkeypatch.setattr(StaticKVCache, "_grow", lambda cache, capacity: (grown.append(capacity), grow(cache, capacity)))
     model = tiny_llama(seed=3)
-    runner = FastLlamaRunner(model)
-    engine = SpeculativeEngine(runner, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
+    engine = SpeculativeEngine(FastLlamaRunner(model), drafter=PromptLookupDrafter(), num_speculative_tokens=3)
     result = engine.generate([PROMPTS[1]], max_new_tokens=40)[0]
-    assert runner.cache.capacity >= len(PROMPTS[1]) + 40 - 1
+    assert max(grown) >= len(PROMPTS[1]) + 40 - 1  # the sequence's slot grew to hold it
     assert result.token_ids == hf_greedy(model, PROMPTS[1], 40)
+    assert_drafted_and_accepted([result])
 
 
 def test_runner_choice():

@@ -6,6 +6,7 @@ import pytest
 
 from helpers import (
     GREEDY_PROMPTS,
+    adapting_on_acceptance,
     assert_drafted_and_accepted,
     hf_greedy,
     permuted_vocabulary,
@@ -44,16 +45,18 @@ def drafters(target, family):
 
 @pytest.mark.parametrize("family", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_output_equals_transformers_generate_for_every_drafter(family, k):
+def test_greedy_output_equals_transformers_generate_for_every_drafter(family, k, monkeypatch):
     target = family(seed=1)
     expected = [hf_greedy(target, prompt, 40) for prompt in PROMPTS]
     for name, drafter in drafters(target, family).items():
-        engine = SpeculativeEngine(
-            target, drafter=drafter, num_speculative_tokens=k, adaptive=name.endswith("adaptive")
-        )
+        adaptive = name.endswith("adaptive")
+        engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=k, adaptive=adaptive)
+        chosen = adapting_on_acceptance(engine, monkeypatch) if adaptive else []
         results = engine.generate(PROMPTS, max_new_tokens=40)
         assert [r.token_ids for r in results] == expected, name
         assert_drafted_and_accepted(results, name)
+        if adaptive:
+            assert len(set(chosen)) >= 2, (name, chosen)  # k really adapted
 
 
 def test_acceptance_matches_the_drafter_quality():

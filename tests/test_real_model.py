@@ -53,6 +53,7 @@ def test_greedy_output_equals_transformers_generate_on_the_real_model(engine):
         "target as its own draft": ModelDrafter(HFModelRunner(model)),
         "random draft": ModelDrafter(HFModelRunner(random_draft)),
     }
+    stats = {name: [] for name in drafters}
     for prompt in PROMPTS:
         ids = engine.encode(prompt, chat=True)
         with torch.no_grad():
@@ -61,7 +62,10 @@ def test_greedy_output_equals_transformers_generate_on_the_real_model(engine):
             engine.drafter = drafter
             result = engine.generate(prompt, max_new_tokens=32, chat=True)[0]
             assert result.token_ids == expected, (name, prompt)
+            stats[name].append(result.stats)
     engine.drafter = PromptLookupDrafter()
+    assert all(sum(s.drafted_tokens for s in stats[name]) > 0 for name in drafters)
+    assert all(sum(s.accepted_tokens for s in stats[name]) > 0 for name in drafters if name != "random draft")
 
 
 def test_prompt_lookup_accepts_text_copied_from_the_prompt(engine):
@@ -78,6 +82,7 @@ def test_batched_greedy_output_equals_transformers_generate_on_the_real_model(en
     engine.drafter = PromptLookupDrafter()
     prompts = PROMPTS + ["Copy this sentence exactly: the quick brown fox jumps over the lazy dog."]
     results = engine.generate_batched(prompts, max_new_tokens=32, chat=True, max_batch_size=4)
+    assert sum(r.stats.accepted_tokens for r in results) > 0
     model = engine.target_runner.model
     for prompt, result in zip(prompts, results):
         ids = engine.encode(prompt, chat=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import hf_greedy, tiny_llama, tiny_tokenizer
+from helpers import assert_drafted_and_accepted, hf_greedy, tiny_llama, tiny_tokenizer
 from specdecode import SpeculativeEngine
 from specdecode.core.stopping import Stop, StoppingCriteria
 from specdecode.drafters import ModelDrafter
@@ -23,6 +23,7 @@ def test_eos_accepted_mid_draft_ends_generation_like_transformers():
     assert result.token_ids[-1] == eos and eos not in result.token_ids[:-1]
     assert result.finish_reason == "stop"
     assert result.stats.generated_tokens == len(result.token_ids)
+    assert_drafted_and_accepted([result])
 
 
 def test_stop_string_cuts_text_and_tokens():

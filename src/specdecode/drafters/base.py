@@ -52,5 +52,8 @@ class Drafter(Protocol):
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """How many of the last proposal's tokens the target accepted."""
 
+    def finish(self, token_ids: list[int]) -> None:
+        """The sequence ended (or left) with these tokens, prompt included."""
+
     def fork(self) -> Drafter:
         """A drafter with the same settings for one more sequence (only if per_sequence)."""

@@ -49,6 +49,9 @@ class CrossTokenizerDrafter:
         tokens = self._to_target(token_ids, self._new_text(context, drafted))[:k]
         return Draft(torch.tensor(tokens, dtype=torch.long), None) if tokens else Draft.empty()
 
+    def finish(self, token_ids: list[int]) -> None:
+        pass
+
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         pass
 

@@ -40,6 +40,9 @@ class ModelDrafter:
             return Draft.empty()
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs))
 
+    def finish(self, token_ids: list[int]) -> None:
+        pass
+
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         pass  # the cache rolls itself back on the next proposal
 

@@ -15,6 +15,19 @@ from specdecode.errors import InvalidArgumentError
 SEPARATOR = -1  # between requests in the history; equals no token, so no match spans two requests
 
 
+class TokenHistory:
+    """Earlier requests' tokens, each followed by SEPARATOR, the last `limit` kept; one
+    object shared by a drafter and its forks, so every sequence of a batch (every request
+    of the server) adds to and searches the same history."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.tokens = torch.zeros(0, dtype=torch.long)  # [<= limit]
+
+    def add(self, token_ids: list[int]) -> None:
+        self.tokens = torch.cat([self.tokens, torch.tensor(token_ids + [SEPARATOR])])[-self.limit :]
+
+
 class PromptLookupDrafter:
     name = "prompt-lookup"
     per_sequence = True
@@ -40,18 +53,23 @@ class PromptLookupDrafter:
         self.max_continuation = max_continuation
         self.use_history = use_history
         self.history_tokens = history_tokens
-        self._history = torch.zeros(0, dtype=torch.long)  # [<= history_tokens] earlier requests
-        self._last: list[int] = []  # the latest sequence seen, added to the history at the next begin
+        self._history = TokenHistory(history_tokens)  # shared with forks
+        self._last: list[int] = []  # the latest sequence seen, not yet in the history
 
     def fork(self) -> PromptLookupDrafter:
         """A drafter for another sequence generated alongside (batching): same settings, and
-        a snapshot of the history that its own requests then extend."""
+        the same history, to which every sequence adds its text when it finishes."""
         return copy.copy(self)
 
     def begin(self, prompt_ids: list[int]) -> None:
-        if self.use_history and self._last:
-            joined = torch.cat([self._history, torch.tensor(self._last + [SEPARATOR])])
-            self._history = joined[-self.history_tokens :]
+        self._remember(self._last)
+
+    def finish(self, token_ids: list[int]) -> None:
+        self._remember(token_ids)
+
+    def _remember(self, token_ids: list[int]) -> None:
+        if self.use_history and token_ids:
+            self._history.add(token_ids)
         self._last = []
 
     def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
@@ -64,7 +82,7 @@ class PromptLookupDrafter:
         for n in range(min(self.max_ngram, len(token_ids) - 1), self.min_ngram - 1, -1):
             continuation = _continuation(sequence, sequence[-n:], k)  # the suffix itself has no next token
             if continuation is None and self.use_history:
-                continuation = _continuation(self._history, sequence[-n:], k)
+                continuation = _continuation(self._history.tokens, sequence[-n:], k)
             if continuation is not None:
                 return Draft(continuation, None)
         return Draft.empty()
