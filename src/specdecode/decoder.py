@@ -104,6 +104,8 @@ class Decoder:
         self.active.append(seq)
 
     def remove(self, seq: Sequence) -> None:
+        for drafter in seq.drafters:
+            drafter.finish(seq.tokens)
         self.active.remove(seq)
         self.slots.release(seq.slot)
         seq.slot = None
