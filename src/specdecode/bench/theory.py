@@ -9,11 +9,13 @@ proposal of k tokens plus one target forward over k + 1 tokens.
 
 from __future__ import annotations
 
+from specdecode.core.adaptive import expected_tokens
+
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
-    if alpha >= 1.0:
-        return float(k + 1)  # the limit of the formula: every draft accepted, plus the bonus token
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    """(1 - alpha^(k+1)) / (1 - alpha), k + 1 at alpha = 1: the adaptive policy's own formula
+    (core/adaptive.py) with the same acceptance at every position."""
+    return expected_tokens([alpha] * k)
 
 
 def per_token_acceptance(drafted_per_position: list[int], accepted_per_position: list[int]) -> float | None:
