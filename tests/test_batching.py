@@ -26,9 +26,10 @@ from specdecode.core.stopping import StoppingCriteria
 from specdecode.decoder import Sequence, decode_all
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.engine import make_generator
+from specdecode.errors import InvalidArgumentError, PromptTooLongError
 from specdecode.runners import HFModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
-from specdecode.runners.slots import SlotPool
+from specdecode.runners.slots import SLOT_CAPACITY, SlotPool, kv_bytes_per_token
 
 PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20], [2], [7, 7, 7, 7, 7, 7, 7, 7, 7, 1]]
 
@@ -221,3 +222,55 @@ def test_a_step_that_fails_changes_nothing_and_its_retry_gives_the_same_output(p
     assert failures > 3
     assert [s.generated for s in sequences] == expected
     assert any(s.finish.reason == "stop" for s in sequences)  # an EOS was among the retried steps' outcomes
+
+
+@pytest.mark.parametrize("runner", ["fast", "transformers"])
+def test_a_long_sequence_gives_its_slot_memory_back_and_the_slot_stays_exact(runner):
+    """A sequence longer than a slot's initial capacity grows its cache; once it finishes the
+    slot shrinks back (the fast runners' StaticKVCache) or drops its cache (transformers'),
+    and the next sequences in that slot are still transformers' greedy output."""
+    target = tiny_llama(seed=1, max_positions=512)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4, runner=runner)
+    long = engine.generate_batched(PROMPTS[:1], max_new_tokens=300, max_batch_size=1)[0]
+    assert len(long.prompt_token_ids) + len(long.token_ids) > SLOT_CAPACITY  # it outgrew the slot
+    assert long.token_ids == hf_greedy(target, PROMPTS[0], 300)
+    (slot,) = engine.decoder.slots.slots
+    if runner == "fast":
+        assert slot.cache.capacity == SLOT_CAPACITY and slot.cache.keys.shape[2] == SLOT_CAPACITY
+    else:
+        assert not any(layer.is_initialized for layer in slot._cache.layers)  # no tensors held
+    results = engine.generate_batched(PROMPTS, max_new_tokens=30, max_batch_size=1)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 30) for p in PROMPTS]
+
+
+def test_max_model_len_ends_sequences_and_bounds_the_slot_caches():
+    target = tiny_llama(seed=1)  # a context of 128
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4, max_model_len=20)
+    assert engine.max_model_len == engine.decoder.max_length == 20
+    results = engine.generate_batched(PROMPTS[:2], max_new_tokens=100, max_batch_size=2)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.finish_reason == "length" and len(prompt) + len(result.token_ids) == 20
+        assert result.token_ids == hf_greedy(target, prompt, 20 - len(prompt))
+    assert all(slot.cache.capacity <= 20 for slot in engine.decoder.slots.slots)
+    with pytest.raises(PromptTooLongError, match="the prompt has 20 tokens but max_model_len is 20"):
+        engine.generate([list(range(20))])
+    view = engine.with_drafter(None, 0)
+    assert view.decoder.max_length == 20
+    for bad in (129, 1):
+        with pytest.raises(InvalidArgumentError, match=r"max_model_len must be in \[2, 128\]") as error:
+            SpeculativeEngine(target, max_model_len=bad)
+        assert error.value.param == "max_model_len"
+
+
+@pytest.mark.parametrize("family", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("runner", ["fast", "transformers"])
+def test_kv_bytes_per_token_is_what_a_cache_position_takes(family, runner):
+    model = family(seed=1)
+    engine = SpeculativeEngine(model, runner=runner)
+    heads = 2 if family is tiny_llama else 4  # the llama has 2 key/value heads for its 4 query heads
+    assert kv_bytes_per_token(engine.target_runner) == 2 * 2 * heads * 8 * 4  # keys and values, layers, dim 8, f32
+    if runner == "fast":  # what the runner's StaticKVCache really holds per position
+        cache = engine.target_runner.cache
+        assert 2 * cache.keys.numel() * cache.keys.element_size() == cache.capacity * kv_bytes_per_token(
+            engine.target_runner
+        )

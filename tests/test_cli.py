@@ -23,7 +23,7 @@ def test_json_output_has_text_tokens_and_stats(tiny_model_dir):
     assert output["finish_reason"] == ("stop" if ended_at_eos else "length")
     assert len(tokens) == 12 or ended_at_eos
     stats = output["stats"]
-    assert stats["drafter"] == "prompt-lookup" and stats["num_speculative_tokens"] == 4
+    assert stats["drafter"] == "auto" and stats["num_speculative_tokens"] == 4
     assert stats["generated_tokens"] == len(tokens)
     assert 0.0 <= stats["acceptance_rate"] <= 1.0
     assert stats["mean_accepted_length"] >= 1.0
@@ -72,6 +72,8 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir):
         (["w1", "--target", "{model}", "--device", "tpu"], "unknown device 'tpu'"),
         (["w1", "--target", "{model}", "--dtype", "int3"], "unknown dtype 'int3'"),
         ([" ".join(["w3"] * 200), "--target", "{model}"], "shorten the prompt"),
+        (["w1", "--target", "{model}", "--max-model-len", "1000"], "max_model_len must be in [2, 128]"),
+        (["w1", "--target", "{model}", "--max-model-len", "1"], "--max-model-len must be at least 2"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tiny_model_dir, args, message):
@@ -87,3 +89,42 @@ def test_unknown_model_name_exits_2(monkeypatch):
     result = run("hello", "--target", "no-such-model")
     assert result.exit_code == 2
     assert "could not load model 'no-such-model'" in result.stderr
+
+
+def test_max_model_len_ends_generation_at_that_length(tiny_model_dir):
+    # "w1 w2": no end-of-sequence token within 100 greedy tokens of the tiny model
+    result = run("w1 w2", "--target", tiny_model_dir, "--max-model-len", "12", "--max-new-tokens", "50", "--json")
+    assert result.exit_code == 0, result.output
+    output = json.loads(result.stdout)
+    assert output["finish_reason"] == "length" and len(output["token_ids"]) == 12 - 2
+
+
+def serve(*args):
+    return runner.invoke(app, ["serve", *args])
+
+
+def test_serve_sizes_the_batch_to_the_kv_cache_budget(tiny_model_dir, monkeypatch):
+    served = []
+    monkeypatch.setattr("specdecode.server.run_server", lambda server_app, host, port: served.append(server_app))
+    # 64 tokens x 256 bytes (2 layers, 2 key/value heads of 8 floats, keys and values) = 16 KiB a sequence
+    budget = str(5 * 64 * 256 / 2**30)
+    result = serve("--target", tiny_model_dir, "--max-model-len", "64", "--kv-cache-gb", budget)
+    assert result.exit_code == 0, result.output
+    (server_app,) = served
+    assert server_app.state.worker.decoder.capacity == 5  # --max-batch-size 16 did not fit
+    assert server_app.state.server.context_length == 64
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--kv-cache-gb", "1e-9"], "less than one sequence of max_model_len 128 tokens needs (32768 bytes"),
+        (["--kv-cache-gb", "0"], "--kv-cache-gb must be positive"),
+        (["--max-model-len", "1000"], "max_model_len must be in [2, 128]"),
+    ],
+)
+def test_serve_refuses_a_budget_or_length_that_cannot_work(tiny_model_dir, args, message):
+    result = serve("--target", tiny_model_dir, *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -17,6 +17,8 @@ from helpers import metric, serving
 from specdecode import SpeculativeEngine
 from specdecode.cli import app as cli_app
 from specdecode.engine import DrafterOptions
+from specdecode.errors import InvalidArgumentError
+from specdecode.runners.slots import kv_bytes_per_token
 from specdecode.server import create_app
 
 
@@ -47,7 +49,7 @@ def test_completion_equals_engine_generate(client, reference):
     assert response.usage.completion_tokens == len(expected.token_ids)
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
     stats = response.model_extra["speculative"]
-    assert stats["drafter"] == "prompt-lookup" and stats["generated_tokens"] == len(expected.token_ids)
+    assert stats["drafter"] == "auto" and stats["generated_tokens"] == len(expected.token_ids)
 
 
 def test_completion_of_token_ids_and_stop(client, reference):
@@ -185,6 +187,7 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": "  "}, 400, "prompt"),
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": PROMPT, "max_tokens": 124}, 400, "max_tokens"),  # 5 + 124 > the 128-token context
     ({"model": MODEL, "prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": PROMPT, "n": 9}, 400, "n"),
@@ -329,3 +332,50 @@ def test_chat_template_is_applied_when_the_tokenizer_has_one(tiny_model_dir, ref
         response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
     assert response.choices[0].message.content == expected.text
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_requests_that_cannot_fit_max_model_len_get_400(tiny_model_dir):
+    """Prompt + max_tokens over max_model_len is refused with the numbers (vLLM's behaviour),
+    streamed or not, text or token ids; a chat request without max_tokens runs to the context's end."""
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir, max_model_len=32)
+    ids = engine.encode(PROMPT)  # before serving: the engine is the worker thread's from then on
+    assert len(ids) == 5
+    # "w1 w2" meets no end-of-sequence token for 100 greedy tokens of the tiny model
+    expected = engine.generate("w1 w2", max_new_tokens=30, temperature=0)[0]
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert client.models.list().data[0].model_extra["max_model_len"] == 32
+        for prompt, stream in ((PROMPT, False), (PROMPT, True), (ids, False)):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 28, "temperature": 0, "stream": stream}
+            refused = httpx.post(f"{url}/v1/completions", json=body)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+            assert (
+                "5 tokens" in error["message"] and "33" in error["message"] and "max_model_len 32" in error["message"]
+            )
+        over = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 33})
+        assert over.status_code == 400 and "[1, 32]" in over.json()["error"]["message"]
+        too_long = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": " ".join(["w1"] * 32)})
+        assert too_long.json()["error"]["param"] == "prompt"
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        fits = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=27, temperature=0)
+        assert fits.usage.total_tokens <= 32
+        # a chat message (no template: the text as it is) with no max_tokens: to the context's end
+        messages = [{"role": "user", "content": "w1 w2"}]
+        chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+        assert chat.choices[0].message.content == expected.text
+        assert chat.choices[0].finish_reason == expected.finish_reason == "length"
+        assert chat.usage.total_tokens == 32
+
+
+def test_a_kv_cache_budget_lowers_the_batch_size_or_refuses_to_start(tiny_model_dir, caplog):
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir, max_model_len=64)
+    per_sequence = 64 * kv_bytes_per_token(engine.target_runner)  # 64 tokens x 256 bytes
+    app = create_app(engine, max_batch_size=16, kv_cache_gb=3.5 * per_sequence / 2**30, start_worker=False)
+    assert app.state.worker.decoder.capacity == 3
+    assert "max_batch_size lowered from 16 to 3" in caplog.text
+    roomy = create_app(engine, max_batch_size=4, kv_cache_gb=1.0, start_worker=False)
+    assert roomy.state.worker.decoder.capacity == 4
+    with pytest.raises(InvalidArgumentError, match="less than one sequence of max_model_len 64 tokens needs"):
+        create_app(engine, kv_cache_gb=0.5 * per_sequence / 2**30, start_worker=False)

@@ -3,8 +3,9 @@
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
 from specdecode.drafters.factory import DrafterOptions
-from specdecode.engine import GenerationResult, SpeculativeEngine
+from specdecode.engine import CacheOptions, GenerationResult, SpeculativeEngine
 from specdecode.errors import (
+    ContextLengthError,
     InvalidArgumentError,
     ModelNotFoundError,
     PromptTooLongError,
@@ -13,6 +14,8 @@ from specdecode.errors import (
 )
 
 __all__ = [
+    "CacheOptions",
+    "ContextLengthError",
     "DrafterOptions",
     "GenerationResult",
     "GenerationStats",

@@ -32,6 +32,10 @@ DrafterOption = Annotated[
 KOption = Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
 DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+MaxModelLenOption = Annotated[
+    Optional[int],
+    typer.Option(help="Most tokens, prompt and generated, a sequence may hold \\[default: the model's context]."),
+]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -71,6 +75,7 @@ def generate(
         float, typer.Option(help="Model drafters stop after a token they give less probability.")
     ] = 0.0,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    max_model_len: MaxModelLenOption = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with this mass.")] = None,
@@ -91,12 +96,21 @@ def generate(
 
     with user_errors():
         _check_arguments(prompt, k, max_new_tokens, SamplingParams(temperature, top_k, top_p))
+        _check_max_model_len(max_model_len)
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
             drafter_options = DrafterOptions(
                 adaptive, *ngram, max_continuation, lookup_history, quantization, min_confidence
             )
             engine = SpeculativeEngine.from_pretrained(
-                target, draft, drafter, k, device, dtype, trust_remote_code, options=drafter_options
+                target,
+                draft,
+                drafter,
+                k,
+                device,
+                dtype,
+                trust_remote_code,
+                options=drafter_options,
+                max_model_len=max_model_len,
             )
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
         options = dict(
@@ -213,6 +227,12 @@ def _check_arguments(prompt: str, k: int, max_new_tokens: int, params: SamplingP
         raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
 
 
+def _check_max_model_len(max_model_len: int | None) -> None:
+    """Before the load; that it is within the model's context is checked once it is loaded."""
+    if max_model_len is not None and max_model_len < 2:
+        raise InvalidArgumentError(f"--max-model-len must be at least 2, got {max_model_len}")
+
+
 COMPARE_ROUNDS = 3
 
 
@@ -303,6 +323,15 @@ def serve(
     ] = None,
     max_waiting: Annotated[int, typer.Option(help="Queued requests beyond the running batch before 429.")] = 64,
     max_batch_size: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 16,
+    max_model_len: MaxModelLenOption = None,
+    kv_cache_gb: Annotated[
+        Optional[float],
+        typer.Option(
+            help="KV-cache budget in GiB: max-batch-size x max-model-len tokens of cache must fit, else the "
+            "batch size is lowered to what fits (and logged); the server does not start if one sequence "
+            "does not fit \\[default: no budget]."
+        ),
+    ] = None,
     max_request_seconds: Annotated[float, typer.Option(help="A request running longer fails with 504.")] = 600.0,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -323,20 +352,27 @@ def serve(
                 raise InvalidArgumentError(f"{name} must be at least 1, got {value}")
         if max_request_seconds <= 0:
             raise InvalidArgumentError(f"--max-request-seconds must be positive, got {max_request_seconds}")
+        if kv_cache_gb is not None and not kv_cache_gb > 0:
+            raise InvalidArgumentError(f"--kv-cache-gb must be positive, got {kv_cache_gb}")
+        _check_max_model_len(max_model_len)
         faults = _fault_injector(inject_faults) if inject_faults else None
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
-            engine = SpeculativeEngine.from_pretrained(target, draft, drafter, k, device, dtype)
-    server_app = create_app(
-        engine,
-        target,
-        api_key,
-        max_waiting,
-        max_batch_size=max_batch_size,
-        max_request_seconds=max_request_seconds,
-        faults=faults,
-        start_worker=False,
-    )
-    stderr.print(f"serving {target} on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""))
+            engine = SpeculativeEngine.from_pretrained(
+                target, draft, drafter, k, device, dtype, max_model_len=max_model_len
+            )
+        server_app = create_app(
+            engine,
+            target,
+            api_key,
+            max_waiting,
+            max_batch_size=max_batch_size,
+            max_request_seconds=max_request_seconds,
+            faults=faults,
+            start_worker=False,
+            kv_cache_gb=kv_cache_gb,
+        )
+    sizes = f"max_model_len {engine.max_model_len}, up to {server_app.state.worker.decoder.capacity} requests at once"
+    stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes})" + (" (API key required)" if api_key else ""))
     with user_errors():
         run_server(server_app, host, port)
 

@@ -58,6 +58,7 @@ class Sequence:
     cached: int = 0  # leading tokens of `tokens` held in the slot's cache
     finish: Stop | None = None  # set by the step that ends the sequence
     tag: object = None  # the caller's own record of this sequence (the server's request handle)
+    cache_key: str | None = None  # its key in the engine's response cache, when it may be cached
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids) + self.generated  # a resumed sequence keeps what it had
@@ -79,9 +80,11 @@ class _Decision:
 class Decoder:
     """One per engine, so that measured costs and acceptance carry across calls."""
 
-    def __init__(self, runner: ModelRunner, adaptive: bool = True):
-        self.slots = SlotPool(runner)
-        self.max_length = runner.max_length
+    def __init__(self, runner: ModelRunner, adaptive: bool = True, max_length: int | None = None):
+        """max_length: the most tokens (prompt + generated) a sequence holds; a sequence that
+        reaches it ends with finish reason "length" (default: the model's context)."""
+        self.max_length = runner.max_length if max_length is None else max_length
+        self.slots = SlotPool(runner, self.max_length)
         self.adaptive = adaptive
         self.capacity = 1  # most sequences active at once
         self.costs = StepCosts()  # seconds of a verification forward, by the tokens in it (all sequences)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdecode.cache import DraftStore, ResponseCache, model_fingerprint, open_backend
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
-from specdecode.core.stopping import StoppingCriteria
+from specdecode.core.stopping import Stop, StoppingCriteria
 from specdecode.decoder import Decoder, Sequence, decode_all
 from specdecode.drafters import AutoDrafter, Drafter, candidates_of
 from specdecode.drafters.factory import DRAFTERS, DrafterOptions, check_drafter_name, make_drafter
@@ -26,7 +27,7 @@ from specdecode.errors import InvalidArgumentError, PromptTooLongError
 from specdecode.loading import DEFAULT_TARGET, load_model
 from specdecode.runners import ModelRunner, runner_for
 
-__all__ = ["DRAFTERS", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
+__all__ = ["DRAFTERS", "CacheOptions", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
 
 # a request's stop strings: as many as OpenAI allows, each of a bounded length (the check
 # after every step searches the new text and the longest stop string's length before it)
@@ -41,6 +42,19 @@ class GenerationResult:
     prompt_token_ids: list[int]
     finish_reason: str  # "stop" or "length"
     stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """What the engine remembers across requests (cache/): where, and which parts."""
+
+    url: str | None = None  # redis://HOST:PORT/DB (or rediss://) to share with other processes; None: this one
+    response_cache: bool = True  # answer repeated deterministic requests without a forward (where exact)
+    draft_store: bool = True  # earlier requests' text drafts for `suffix` and `auto`
+    max_mb: int = 256  # the in-process backend's bound
+    require_backend: bool = (
+        False  # a Redis that does not answer at start is an error (generate), not a fallback (serve)
+    )
 
 
 @dataclass(frozen=True)
@@ -70,15 +84,27 @@ class SpeculativeEngine:
         num_speculative_tokens: int = 4,
         runner: str = "auto",
         adaptive: bool = False,
+        response_cache: ResponseCache | None = None,
+        max_model_len: int | None = None,
     ):
         """adaptive: choose k <= num_speculative_tokens each step from measured acceptance and
-        costs (core/adaptive.py); False drafts num_speculative_tokens every step."""
+        costs (core/adaptive.py); False drafts num_speculative_tokens every step.
+        response_cache: answers deterministic requests seen before without a forward; used
+        only if the runner's outputs do not depend on the batch (else ignored: see cache_note).
+        max_model_len: the most tokens, prompt and generated, a sequence may hold (default and
+        upper bound: the model's context length); a longer prompt is refused, and generation
+        ends there with finish reason "length". Slot caches never grow past it."""
         self.num_speculative_tokens = _checked_k(num_speculative_tokens)
         self.target_runner = runner_for(target, runner) if isinstance(target, PreTrainedModel) else target
+        self.max_model_len = _checked_max_model_len(max_model_len, self.target_runner.max_length)
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.eos_token_ids = _eos_token_ids(target, tokenizer)
-        self.decoder = Decoder(self.target_runner, adaptive)
+        self.cache_backend = None  # where the response cache and draft store live (open_caches)
+        self.decoder = Decoder(self.target_runner, adaptive, self.max_model_len)
+        self.response_cache, self.cache_note = None, "no response cache"
+        if response_cache is not None:
+            self.use_response_cache(response_cache)
 
     @classmethod
     def from_pretrained(
@@ -92,6 +118,8 @@ class SpeculativeEngine:
         trust_remote_code: bool = False,
         runner: str = "auto",
         options: DrafterOptions | None = None,
+        max_model_len: int | None = None,
+        cache: CacheOptions | None = None,
     ) -> SpeculativeEngine:
         """Load target (and draft) by short name, folder, .gguf file or Hub id; pick the drafter.
 
@@ -99,21 +127,63 @@ class SpeculativeEngine:
         and the rest on transformers' modeling; "transformers" forces the latter.
         drafter "auto": prompt lookup, then the draft model if one is given, each step the first
         that proposes; with adaptive k each proposes only while it pays.
+        max_model_len: the most tokens a sequence may hold (default: the model's context).
+        cache: the response cache and the draft store, in process or on Redis (default: both in
+        process; `CacheOptions(response_cache=False, draft_store=False)` for neither).
         """
         options = options or DrafterOptions()
         if isinstance(drafter, str):
             check_drafter_name(drafter, draft)
         model, tokenizer = load_model(target, device, dtype, trust_remote_code)
-        engine = cls(model, tokenizer, None, num_speculative_tokens, runner, adaptive=options.adaptive)
+        engine = cls(
+            model,
+            tokenizer,
+            None,
+            num_speculative_tokens,
+            runner,
+            adaptive=options.adaptive,
+            max_model_len=max_model_len,
+        )
+        store = engine.open_caches(cache or CacheOptions())
         if isinstance(drafter, str):
             load = lambda name: load_model(name, device, dtype, trust_remote_code)  # noqa: E731
-            drafter = make_drafter(drafter, draft, engine.target_runner, tokenizer, load, runner, options)
+            drafter = make_drafter(drafter, draft, engine.target_runner, tokenizer, load, runner, options, store)
         engine.drafter = drafter
         return engine
+
+    def open_caches(self, options: CacheOptions) -> DraftStore | None:
+        """Open the backend, turn the response cache on where it is exact; the draft store."""
+        if not (options.response_cache or options.draft_store):
+            return None
+        self.cache_backend = open_backend(options.url, options.max_mb << 20)
+        if options.url is not None and options.require_backend and not self.cache_backend.ping():
+            raise InvalidArgumentError(
+                f"no Redis answered at --cache-url {options.url}; start it or leave the option out", "cache_url"
+            )
+        model = getattr(self.target_runner, "model", None)
+        fingerprint = model_fingerprint(model, type(self.target_runner).__name__, self.tokenizer)
+        if options.response_cache:
+            self.use_response_cache(ResponseCache(self.cache_backend, fingerprint, self.target_runner.vocab_size))
+        if not options.draft_store:
+            return None
+        return DraftStore(self.cache_backend, fingerprint, self.target_runner.vocab_size)
 
     @property
     def adaptive(self) -> bool:
         return self.decoder.adaptive
+
+    def use_response_cache(self, cache: ResponseCache) -> None:
+        """Serve repeated deterministic requests from cache, where outputs do not depend on the
+        batch; elsewhere a cached answer could differ from a fresh one by rounding, and the
+        cache stays off (cache_note says why)."""
+        if self.target_runner.batch_invariant:
+            self.response_cache, self.cache_note = cache, "response cache on"
+            return
+        self.cache_note = (
+            f"response cache off: {type(self.target_runner).__name__} in {self.target_runner.dtype} "
+            "does not give a sequence the same bits in every batch (only the fast paths in half "
+            "precision on the CPU do)"
+        )
 
     def with_drafter(
         self, drafter: Drafter | AutoDrafter | None, num_speculative_tokens: int, adaptive: bool = False
@@ -122,7 +192,7 @@ class SpeculativeEngine:
         a decoder of its own: a system to compare with this one in the same process."""
         view = copy.copy(self)
         view.drafter, view.num_speculative_tokens = drafter, _checked_k(num_speculative_tokens)
-        view.decoder = Decoder(self.target_runner, adaptive)
+        view.decoder = Decoder(self.target_runner, adaptive, self.max_model_len)
         return view
 
     @property
@@ -166,10 +236,11 @@ class SpeculativeEngine:
         settings = self.settings(max_new_tokens, temperature, top_k, top_p, seed, stop, k)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
         generator = make_generator(seed)
-        sequences = [self.sequence(ids, settings, generator, fork=False) for ids in prompt_ids]
-        self.decoder.capacity = 1
-        decode_all(self.decoder, sequences)
-        return [self.result(seq) for seq in sequences]
+        # one generator runs through the prompts: only the first's seeded sample is its own
+        sequences = [
+            self.sequence(ids, settings, generator, fork=False, cacheable=i == 0) for i, ids in enumerate(prompt_ids)
+        ]
+        return self._decode(sequences, capacity=1)
 
     def generate_batched(
         self,
@@ -190,10 +261,38 @@ class SpeculativeEngine:
         settings = self.settings(max_new_tokens, temperature, top_k, top_p, seed, stop, num_speculative_tokens)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
         seeds = [None if seed is None else seed + i for i in range(len(prompt_ids))]
-        sequences = [self.sequence(ids, settings, make_generator(s)) for ids, s in zip(prompt_ids, seeds, strict=True)]
-        self.decoder.capacity = self.batch_capacity(max_batch_size)
-        decode_all(self.decoder, sequences)
-        return [self.result(seq) for seq in sequences]
+        sequences = [
+            self.sequence(ids, settings, make_generator(s), seed=s) for ids, s in zip(prompt_ids, seeds, strict=True)
+        ]
+        return self._decode(sequences, capacity=self.batch_capacity(max_batch_size))
+
+    def _decode(self, sequences: list[Sequence], capacity: int) -> list[GenerationResult]:
+        """Each sequence's result: from the response cache where it has one, else decoded."""
+        cached = {id(seq): hit for seq in sequences if (hit := self.cached_result(seq)) is not None}
+        todo = [seq for seq in sequences if id(seq) not in cached]
+        self.decoder.capacity = capacity
+        decode_all(self.decoder, todo)
+        for seq in todo:
+            self.remember(seq)
+        return [cached.get(id(seq)) or self.result(seq) for seq in sequences]
+
+    def cached_result(self, seq: Sequence) -> GenerationResult | None:
+        """The stored answer of a request seen before, if the response cache has a valid one."""
+        if self.response_cache is None or seq.cache_key is None:
+            return None
+        found = self.response_cache.get(seq.cache_key)
+        if found is None:
+            return None
+        seq.generated, reason = found
+        seq.finish = Stop(len(seq.generated), reason)
+        seq.stats = GenerationStats(seq.drafter_name if seq.k_max else "none", seq.k_max, cached=True)
+        seq.stats.generated_tokens = len(seq.generated)
+        return self.result(seq)
+
+    def remember(self, seq: Sequence) -> None:
+        """Store a finished sequence's answer for the next identical request."""
+        if self.response_cache is not None and seq.cache_key is not None and seq.finish is not None:
+            self.response_cache.put(seq.cache_key, seq.generated, seq.finish.reason)
 
     def settings(
         self,
@@ -229,26 +328,58 @@ class SpeculativeEngine:
         )
 
     def sequence(
-        self, prompt_ids: list[int], settings: RequestSettings, generator: torch.Generator, fork: bool = True, tag=None
+        self,
+        prompt_ids: list[int],
+        settings: RequestSettings,
+        generator: torch.Generator,
+        fork: bool = True,
+        tag=None,
+        seed: int | None = None,
+        cacheable: bool = True,
     ) -> Sequence:
         """A sequence for the decoder, with drafters of its own where they can be forked
-        (fork=False: the engine's own, as for one generation at a time)."""
+        (fork=False: the engine's own, as for one generation at a time). seed: the one its
+        generator was seeded with, if not settings.seed; cacheable=False: its output is not a
+        function of its request alone (a generator shared with earlier sequences)."""
         drafter = self.drafter
         if fork and drafter is not None and drafter.per_sequence:
             drafter = drafter.fork()
-        k = settings.num_speculative_tokens if drafter is not None else 0
+        candidates = candidates_of(drafter)
+        if settings.fixed_k:  # a seeded sample must not depend on what earlier requests left behind
+            candidates = tuple(d for d in candidates if not d.depends_on_history)
+        k = settings.num_speculative_tokens if candidates else 0
         name = drafter.name if drafter is not None else "none"
+        seed = settings.seed if seed is None else seed
+        key = self._cache_key(prompt_ids, settings, seed, name, k) if cacheable else None
         return Sequence(
             prompt_ids,
             settings.params,
             settings.stopping,
             generator,
-            candidates_of(drafter),
+            candidates,
             k,
             settings.fixed_k,
             name,
             tag=tag,
+            cache_key=key,
         )
+
+    def _cache_key(self, prompt_ids: list[int], settings: RequestSettings, seed: int | None, drafter: str, k: int):
+        """A response-cache key for deterministic requests: greedy ones, or seeded samples (whose
+        tokens depend on the drafts, so the drafter and k count too); None for the others."""
+        if self.response_cache is None or not (settings.params.greedy or seed is not None):
+            return None
+        stopping, params = settings.stopping, settings.params
+        request = dict(
+            max_new_tokens=stopping.max_new_tokens,
+            stop=list(stopping.stop_strings),
+            eos=sorted(stopping.eos_token_ids),
+            max_length=self.decoder.max_length,
+        )
+        if not params.greedy:
+            request |= dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+            request |= dict(drafter=drafter, k=k, adaptive=self.adaptive)
+        return self.response_cache.key(prompt_ids, **request)
 
     def batch_capacity(self, max_batch_size: int) -> int:
         """Sequences decoded together: max_batch_size, or 1 when the drafter cannot be forked."""
@@ -276,12 +407,12 @@ class SpeculativeEngine:
             vocab = self.target_runner.vocab_size
             if not all(0 <= t < vocab for t in ids):
                 raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {ids}", "prompt")
-        if len(ids) >= self.target_runner.max_length:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens but the model's context holds {self.target_runner.max_length}; "
-                "shorten the prompt",
-                "prompt",
-            )
+        if len(ids) >= self.max_model_len:
+            limit = self.max_model_len
+            holds = f"the model's context holds {limit}"
+            if limit < self.target_runner.max_length:
+                holds = f"max_model_len is {limit}"
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens but {holds}; shorten the prompt", "prompt")
         return ids
 
 
@@ -304,6 +435,18 @@ def _checked_k(k: int) -> int:
             f"num_speculative_tokens (k) must be an integer >= 0 (0 = target-only), got {k}", "num_speculative_tokens"
         )
     return k
+
+
+def _checked_max_model_len(max_model_len: int | None, context: int) -> int:
+    if max_model_len is None:
+        return context
+    if not isinstance(max_model_len, int) or not 2 <= max_model_len <= context:
+        raise InvalidArgumentError(
+            f"max_model_len must be in [2, {context}] (the model's context length; one prompt token and one "
+            f"new one at least), got {max_model_len}",
+            "max_model_len",
+        )
+    return max_model_len
 
 
 def _as_prompt_list(prompts: str | SequenceOf) -> list:

@@ -26,5 +26,10 @@ class VocabularyMismatchError(SpecDecodeError):
     """Draft and target do not share a vocabulary, so their tokens cannot be compared."""
 
 
-class PromptTooLongError(SpecDecodeError):
-    """The prompt does not fit in the model's context window."""
+class ContextLengthError(SpecDecodeError):
+    """A sequence would not fit in max_model_len: its prompt, or its prompt with the tokens
+    asked for (the server refuses those; the library stops at the context's end instead)."""
+
+
+class PromptTooLongError(ContextLengthError):
+    """The prompt alone does not fit in max_model_len (at least one new token must)."""

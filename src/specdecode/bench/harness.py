@@ -97,7 +97,7 @@ def encode_prompts(
 ) -> tuple[list[BenchPrompt], dict[str, list[int]], list[dict]]:
     """Token ids of each prompt, as every system gets them; prompts that cannot fit are skipped."""
     chat = config.chat if config.chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
-    context = engine.target_runner.max_length
+    context = engine.max_model_len
     kept, ids, skipped = [], {}, []
     for prompt in prompts:
         tokens = engine.encode(prompt.text, chat=chat)
@@ -122,7 +122,7 @@ def measure_step_costs(
 ) -> ForwardCosts:
     """Step costs after the median-length prompt: they grow with the context, so take a typical one."""
     prefix = sorted(prompt_ids.values(), key=len)[len(prompt_ids) // 2]
-    prefix = prefix[: engine.target_runner.max_length - max(config.k_values) - 2]
+    prefix = prefix[: engine.max_model_len - max(config.k_values) - 2]
     drafters = {s.spec.series: s.engine.drafter for s in systems if isinstance(s, EngineSystem) and s.spec.speculative}
     return measure_costs(engine.target_runner, drafters, prefix, config.k_values, SamplingParams(config.temperature))
 

@@ -19,6 +19,7 @@ class GenerationStats:
     drafted_histogram: dict[int, int] = field(default_factory=dict)  # draft length -> steps (the k used)
     drafted_by_source: dict[str, list[int]] = field(default_factory=dict)  # auto's candidate -> [drafted, accepted]
     wall_time_s: float = 0.0
+    cached: bool = False  # answered from the response cache, without a forward
 
     def __post_init__(self) -> None:
         self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens

@@ -36,6 +36,9 @@ class Drafter(Protocol):
 
     name: str
     per_sequence: bool
+    # declared: drafts depend on earlier requests (a history, a shared store), not on the
+    # sequence alone; seeded sampling skips such drafters, so that its samples repeat
+    depends_on_history: bool
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new sequence starts with these prompt tokens."""

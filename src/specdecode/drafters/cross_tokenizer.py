@@ -21,6 +21,7 @@ TAIL_TOKENS = 4  # target tokens re-encoded with the draft text, so a word split
 class CrossTokenizerDrafter:
     name = "cross-tokenizer"
     per_sequence = False  # one draft model cache, shared: batches of one sequence
+    depends_on_history = False
 
     def __init__(
         self,

@@ -7,17 +7,19 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdecode.cache import DraftStore
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.self_quantized import self_quantized_drafter
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import InvalidArgumentError, VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary
 from specdecode.runners import ModelRunner, runner_for
 
-DRAFTERS = ("auto", "model", "prompt-lookup", "self-quantized", "cross-tokenizer", "none")
+DRAFTERS = ("auto", "model", "prompt-lookup", "suffix", "self-quantized", "cross-tokenizer", "none")
 
 Loader = Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
 
@@ -52,21 +54,29 @@ def make_drafter(
     load: Loader,
     runner: str,
     options: DrafterOptions,
+    store: DraftStore | None = None,
 ) -> Drafter | AutoDrafter | None:
-    """The drafter `name` drafting for target (a runner with `.model`), draft loaded by `load`."""
+    """The drafter `name` drafting for target (a runner with `.model`), draft loaded by `load`;
+    store: the cross-request draft store, for `suffix` and `auto`."""
     check_drafter_name(name, draft)
     if name == "none":
         return None
     lookup = PromptLookupDrafter(options.min_ngram, options.max_ngram, options.max_continuation, options.lookup_history)
     if name == "prompt-lookup":
         return lookup
+    if name == "suffix":
+        if store is None:
+            raise InvalidArgumentError("drafter 'suffix' needs the draft store: leave draft_store on", "drafter")
+        return SuffixDrafter(store)
     if name == "self-quantized":
         return self_quantized_drafter(target.model, options.quantization, options.min_confidence)
     model_drafter = (
         _draft_model_drafter(name, draft, target, tokenizer, load, runner, options) if draft is not None else None
     )
-    if name == "auto":
-        return AutoDrafter([lookup, model_drafter]) if model_drafter is not None else lookup
+    if name == "auto":  # cheapest first: the prompt, then earlier requests, then a draft model
+        candidates = [lookup, SuffixDrafter(store) if store is not None else None, model_drafter]
+        candidates = [c for c in candidates if c is not None]
+        return AutoDrafter(candidates) if len(candidates) > 1 else lookup
     return model_drafter
 
 

@@ -12,6 +12,7 @@ from specdecode.runners import CachedSequence, ModelRunner
 class ModelDrafter:
     name = "model"
     per_sequence = False  # one draft model cache, shared: batches of one sequence
+    depends_on_history = False
 
     def __init__(self, runner: ModelRunner, min_confidence: float = 0.0, name: str | None = None):
         """min_confidence: stop drafting after a token whose untempered draft probability is below it."""

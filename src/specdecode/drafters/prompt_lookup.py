@@ -52,6 +52,7 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.max_continuation = max_continuation
         self.use_history = use_history
+        self.depends_on_history = use_history
         self.history_tokens = history_tokens
         self._history = TokenHistory(history_tokens)  # shared with forks
         self._last: list[int] = []  # the latest sequence seen, not yet in the history

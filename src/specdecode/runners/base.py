@@ -14,10 +14,14 @@ import torch
 
 class ModelRunner(Protocol):
     vocab_size: int  # width of the logits
+    dtype: torch.dtype  # of its weights and cache
     max_length: int  # context window, in tokens
     # declared capability: forward_batch(caches, token_ids, num_logits) runs several
     # sequences, each on a cache of its own, in one pass (runners/slots.py uses it)
     stacks_sequences: bool
+    # declared: a sequence's logits have the same bits whatever shares its forward (other
+    # sequences, other verified tokens); what an exact response cache needs
+    batch_invariant: bool
 
     @property
     def cache_length(self) -> int: ...

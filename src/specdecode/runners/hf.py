@@ -14,13 +14,14 @@ class HFModelRunner:
     """A transformers causal LM with a DynamicCache, one sequence at a time."""
 
     stacks_sequences = False
+    batch_invariant = False  # transformers' kernels round a row by what shares its product
 
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
         config = model.config.get_text_config()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
-        self.device = model.device
+        self.device, self.dtype = model.device, model.dtype
         self.reset()
 
     @property

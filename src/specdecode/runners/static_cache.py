@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.runners.projection import onednn_supports
+
 
 class StaticKVCache:
     """Keys and values of every layer in preallocated tensors, for the fast runners.
 
     Rolling back is `crop(n)`: rows past n are overwritten by the next forward, so nothing
-    is copied or freed. Capacity doubles when a sequence outgrows it.
+    is copied or freed. Capacity doubles when a sequence outgrows it, up to max_length;
+    `shrink` gives the memory of a long sequence back.
     """
 
     def __init__(
@@ -22,15 +25,23 @@ class StaticKVCache:
         self.keys = self.values = torch.empty(self.shape, dtype=dtype, device=device)
         self._grow(min(capacity, max_length))
 
-    def empty_copy(self, capacity: int) -> StaticKVCache:
-        """A new, empty cache of the same shape, for another sequence."""
+    def empty_copy(self, capacity: int, max_length: int | None = None) -> StaticKVCache:
+        """A new, empty cache of the same shape, for another sequence (that holds at most
+        max_length positions, default this cache's)."""
         layers, heads, _, dim = self.shape
-        return StaticKVCache(layers, heads, dim, self.max_length, self.dtype, self.device, capacity)
+        max_length = self.max_length if max_length is None else max_length
+        return StaticKVCache(layers, heads, dim, max_length, self.dtype, self.device, capacity)
 
     def reserve(self, num_new: int) -> None:
         """Make room for num_new more positions."""
         if self.length + num_new > self.capacity:
             self._grow(max(self.length + num_new, 2 * self.capacity))
+
+    def shrink(self, capacity: int) -> None:
+        """Give memory back: hold `capacity` positions (the cached ones, if more) when holding more."""
+        capacity = max(min(capacity, self.max_length), self.length)
+        if self.capacity > capacity:
+            self._reallocate(capacity)
 
     def write(
         self,
@@ -58,6 +69,10 @@ class StaticKVCache:
         return mask.tril(diagonal=self.length)
 
     def _grow(self, capacity: int) -> None:
+        self._reallocate(capacity)
+
+    def _reallocate(self, capacity: int) -> None:
+        """New tensors of `capacity` positions (at most max_length, at least length), the cached ones copied."""
         capacity = min(capacity, self.max_length)
         layers, heads, _, dim = self.shape
         keys = torch.empty(layers, heads, capacity, dim, dtype=self.dtype, device=self.device)
@@ -72,6 +87,14 @@ class StaticCacheRunner:
 
     cache: StaticKVCache
     stacks_sequences = False  # FastLlamaRunner overrides: it has forward_batch
+    per_query_attention: bool
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Half precision on the CPU, whose verification attends one query at a time and whose
+        products keep rows independent (tests/test_fast_runners.py); float32's MKL products
+        round a row by the rows beside it."""
+        return self.per_query_attention and onednn_supports(self.dtype)
 
     @property
     def cache_length(self) -> int:

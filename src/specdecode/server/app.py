@@ -8,6 +8,7 @@ error object (errors.py), and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import threading
 import time
@@ -20,12 +21,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specdecode.engine import SpeculativeEngine
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import InvalidArgumentError, SpecDecodeError
+from specdecode.runners.slots import kv_bytes_per_token
 from specdecode.server.errors import APIError, error_response, install_error_handlers
 from specdecode.server.faults import StepHook
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.routes import ServerState, v1
 from specdecode.server.worker import EngineWorker
+
+logger = logging.getLogger("specdecode.server")
 
 
 def create_app(
@@ -38,17 +42,22 @@ def create_app(
     max_request_seconds: float = 600.0,
     faults: StepHook | None = None,
     start_worker: bool = True,
+    kv_cache_gb: float | None = None,
 ) -> FastAPI:
     """An app serving `engine` as `model_name`; requests to /v1 need `api_key` when one is set.
 
     max_waiting: requests queued beyond the running batch before new ones get 429.
     max_body_bytes: larger request bodies get 413 (by their Content-Length).
     max_batch_size: requests decoded together (continuous batching, decoder.py).
+    kv_cache_gb: the most GiB the batch's KV caches may take, each up to the engine's
+    max_model_len tokens (None: no limit); see batch_size_for_budget.
     max_request_seconds: a request still running this long after it arrived fails with 504.
     faults: a hook that fails engine steps on purpose (server/faults.py), for tests.
     start_worker: False when the caller runs `app.state.worker.run()` in a thread of its own
     (`specdecode serve` runs it in the main thread, which is faster).
     """
+    if kv_cache_gb is not None:
+        max_batch_size = batch_size_for_budget(engine, max_batch_size, kv_cache_gb)
     metrics = ServerMetrics()
     worker = EngineWorker(engine, metrics, max_waiting, max_batch_size, max_request_seconds, faults)
 
@@ -82,6 +91,45 @@ def create_app(
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def batch_size_for_budget(engine: SpeculativeEngine, max_batch_size: int, kv_cache_gb: float) -> int:
+    """The batch size whose KV caches fit in kv_cache_gb GiB when every sequence holds all of
+    max_model_len: max_batch_size if it fits; fewer, logged, if not; and an error (the server
+    does not start) if not even one sequence fits, since a full-length request could not run.
+
+    A sequence's cache grows with it, to at most max_model_len positions of
+    kv_bytes_per_token each (2 x layers x key/value heads x head dim x dtype size), and
+    shrinks back when it ends (runners/slots.py), so this bounds the slots' caches. Not
+    counted: the weights, activations, a draft model's cache, and the copy a cache briefly
+    needs while it doubles."""
+    if not kv_cache_gb > 0:
+        raise InvalidArgumentError(f"--kv-cache-gb must be positive, got {kv_cache_gb}", "kv_cache_gb")
+    per_token = kv_bytes_per_token(engine.target_runner)
+    per_sequence = engine.max_model_len * per_token
+    budget = int(kv_cache_gb * 2**30)
+    fits = budget // per_sequence
+    if fits < 1:
+        raise InvalidArgumentError(
+            f"a KV-cache budget of {kv_cache_gb:g} GiB (--kv-cache-gb) is less than one sequence of max_model_len "
+            f"{engine.max_model_len} tokens needs ({per_sequence} bytes, {per_token} per token); raise "
+            "--kv-cache-gb or lower --max-model-len",
+            "kv_cache_gb",
+        )
+    wanted = engine.batch_capacity(max_batch_size)
+    if fits < wanted:
+        logger.warning(
+            "KV-cache budget of %g GiB holds %d sequences of max_model_len %d tokens (%d bytes per token): "
+            "max_batch_size lowered from %d to %d",
+            kv_cache_gb,
+            fits,
+            engine.max_model_len,
+            per_token,
+            wanted,
+            fits,
+        )
+        return fits
+    return max_batch_size
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:

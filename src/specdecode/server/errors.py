@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.errors import PromptTooLongError, SpecDecodeError
+from specdecode.errors import ContextLengthError, PromptTooLongError, SpecDecodeError
 from specdecode.server import schemas
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.worker import RequestTimeoutError, ShuttingDownError, WorkerCrashedError
@@ -53,8 +53,9 @@ def internal_error(error: BaseException, code: str, what: str) -> APIError:
 
 def engine_error(error: BaseException, prompt_param: str) -> APIError:
     """The OpenAI-style error for what failed a request in the engine."""
-    if isinstance(error, PromptTooLongError):
-        return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
+    if isinstance(error, ContextLengthError):  # the prompt alone, or the prompt with max_tokens
+        param = prompt_param if isinstance(error, PromptTooLongError) else API_NAMES.get(error.param, error.param)
+        return APIError(400, str(error), param=param, code="context_length_exceeded")
     if isinstance(error, SpecDecodeError):
         return APIError(400, str(error), param=API_NAMES.get(error.param, error.param))
     if isinstance(error, RequestTimeoutError):

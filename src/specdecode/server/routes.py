@@ -45,7 +45,8 @@ class ServerState:
 
     @property
     def context_length(self) -> int:
-        return self.engine.target_runner.max_length
+        """max_model_len: the most tokens, prompt and completion, a request may hold."""
+        return self.engine.max_model_len
 
 
 def _state(request: Request) -> ServerState:
@@ -108,9 +109,8 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
     if not any(m.text().strip() for m in body.messages):
         raise APIError(400, "the messages are empty; give at least one with text", param="messages")
     prompt, templated = _chat_prompt(state.engine, body.messages)
+    # None (no limit given): up to the end of the context, as OpenAI's chat API does
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    # no limit given: up to the end of the context, as OpenAI's chat API does
-    max_tokens = max_tokens if max_tokens is not None else state.context_length
     handles = _submit(state, _generation_requests(state, body, prompt, max_tokens, templated))
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
     if body.stream:
@@ -136,10 +136,16 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
 
 
 def _generation_requests(
-    state: ServerState, body: schemas._Request, prompt: str | list[int], max_tokens: int, templated: bool = False
+    state: ServerState,
+    body: schemas._Request,
+    prompt: str | list[int],
+    max_tokens: int | None,
+    templated: bool = False,
 ) -> list[GenerationRequest]:
     """The worker's requests, one per choice (n), choice i seeded seed + i when a seed is given;
-    checked first: the model's name, OpenAI's own bounds, then the engine's checks."""
+    checked first: the model's name, OpenAI's own bounds, then the engine's checks. max_tokens
+    None: up to the end of the context. Whether prompt + max_tokens fits in max_model_len is
+    checked on the engine thread, which tokenizes the prompt (worker.py)."""
     if body.model != state.model_name:
         message = f"the model '{body.model}' does not exist; this server serves '{state.model_name}'"
         raise APIError(404, message, param="model", code="model_not_found")
@@ -150,8 +156,8 @@ def _generation_requests(
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
     if body.n > 1 and body.stream:
         raise APIError(400, "n > 1 cannot be streamed yet; ask without stream, or for n = 1", param="n")
-    if not 1 <= max_tokens <= state.context_length:
-        message = f"max_tokens must be in [1, {state.context_length}] (the context length), got {max_tokens}"
+    if max_tokens is not None and not 1 <= max_tokens <= state.context_length:
+        message = f"max_tokens must be in [1, {state.context_length}] (max_model_len), got {max_tokens}"
         raise APIError(400, message, param="max_tokens")
     temperature = 1.0 if body.temperature is None else body.temperature
     if temperature > MAX_TEMPERATURE:
@@ -162,7 +168,8 @@ def _generation_requests(
     seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
     for seed in seeds:
         try:
-            state.engine.settings(max_tokens, temperature, top_k, body.top_p, seed, stop or None, k)
+            checked_max_tokens = state.context_length if max_tokens is None else max_tokens
+            state.engine.settings(checked_max_tokens, temperature, top_k, body.top_p, seed, stop or None, k)
         except SpecDecodeError as error:
             raise APIError(400, str(error), param=API_NAMES.get(error.param, error.param)) from None
     return [

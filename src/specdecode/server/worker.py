@@ -30,6 +30,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 
 from specdecode.decoder import Sequence
 from specdecode.engine import GenerationResult, SpeculativeEngine, make_generator
+from specdecode.errors import ContextLengthError
 from specdecode.server.faults import StepHook
 from specdecode.server.metrics import ServerMetrics
 
@@ -59,7 +60,7 @@ class WorkerCrashedError(RuntimeError):
 @dataclass
 class GenerationRequest:
     prompt: str | list[int]  # text (encoded on the engine thread) or token ids
-    max_tokens: int
+    max_tokens: int | None  # None: up to the end of the context (max_model_len)
     temperature: float = 1.0
     top_p: float | None = None
     top_k: int | None = None
@@ -232,9 +233,9 @@ class EngineWorker:
         if request.templated:
             # the template wrote the special tokens (BOS included) already; encoding must not add more
             prompt = engine.tokenizer(prompt, add_special_tokens=False).input_ids
-        prompt_ids = engine.prompt_token_ids(prompt, chat=False)
+        prompt_ids = engine.prompt_token_ids(prompt, chat=False)  # refuses a prompt that leaves no room
         settings = engine.settings(
-            request.max_tokens,
+            _max_tokens(request.max_tokens, len(prompt_ids), engine.max_model_len),
             request.temperature,
             request.top_k,
             request.top_p,
@@ -351,6 +352,21 @@ class EngineWorker:
         for position, accepted in enumerate(stats.accepted_per_position):
             m.accepted_per_position.labels(str(position)).inc(accepted)
         m.requests_finished.labels(result.finish_reason).inc()
+
+
+def _max_tokens(asked: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """The request's max_tokens, if prompt and completion fit in max_model_len (None: all the
+    room left); refused otherwise, as vLLM does, rather than cut short."""
+    room = max_model_len - prompt_tokens
+    if asked is None:
+        return room
+    if asked > room:
+        raise ContextLengthError(
+            f"the prompt has {prompt_tokens} tokens and max_tokens is {asked}: {prompt_tokens + asked} in all, "
+            f"more than max_model_len {max_model_len}; ask for at most {room} tokens or shorten the prompt",
+            "max_tokens",
+        )
+    return asked
 
 
 def _streamable(text: str, stop_strings: list[str]) -> str:

@@ -1,0 +1,36 @@
+"""Drafts from the cross-request draft store (cache/draft_store.py): what followed the longest
+match of the context's suffix in earlier requests, in this process or (through Redis) in
+others. Deterministic from the tokens and the store, so its q is one-hot."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.cache.draft_store import DraftStore
+from specdecode.core.sampling import SamplingParams
+from specdecode.drafters.base import Draft
+
+
+class SuffixDrafter:
+    name = "suffix"
+    per_sequence = True  # forks share the store
+    depends_on_history = True
+
+    def __init__(self, store: DraftStore):
+        self.store = store
+
+    def fork(self) -> SuffixDrafter:
+        return self  # no per-sequence state
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.store.sync()  # what other processes added: one backend call per request
+
+    def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+        drafted = self.store.propose(token_ids, k)
+        return Draft(torch.tensor(drafted, dtype=torch.long), None) if drafted else Draft.empty()
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def finish(self, token_ids: list[int]) -> None:
+        self.store.add(list(token_ids))
