@@ -4,7 +4,12 @@ cached answer is checked and served only where outputs do not depend on the batc
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import httpx
 import numpy as np
+import openai
 import pytest
 import redis
 import torch
@@ -17,11 +22,19 @@ from helpers import (
     PROMPT,
     SKIP,
     exact_joint,
+    free_port,
     g_test_pvalue,
     hf_greedy,
+    metric,
     redis_server,
+    serving,
     target_and_draft,
     tiny_llama,
+    tiny_tokenizer,
+    wait_for,
+)
+from helpers import (
+    SERVED_MODEL as MODEL,
 )
 from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.cache import DraftStore, InProcessBackend, RedisBackend, ResponseCache, open_backend
@@ -32,12 +45,15 @@ from specdecode.drafters import AutoDrafter, PromptLookupDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import InvalidArgumentError
 from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.server import create_app
 
 PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20]]
 
 
-def engine_with_caches(model, url: str | None = None, auto: bool = False) -> SpeculativeEngine:
-    engine = SpeculativeEngine(FastLlamaRunner(model), num_speculative_tokens=4)
+def engine_with_caches(model, url: str | None = None, auto: bool = False, text: bool = False) -> SpeculativeEngine:
+    """text: with a tokenizer, for the server (its EOS ignored, as transformers' generate of these models does)."""
+    engine = SpeculativeEngine(FastLlamaRunner(model), tiny_tokenizer() if text else None, num_speculative_tokens=4)
+    engine.eos_token_ids = frozenset()
     store = engine.open_caches(CacheOptions(url))
     suffix = SuffixDrafter(store)
     engine.drafter = AutoDrafter([PromptLookupDrafter(), suffix]) if auto else suffix
@@ -219,6 +235,71 @@ def test_a_malformed_or_unreachable_cache_url(tiny_model_dir):
     with pytest.raises(InvalidArgumentError, match="redis://HOST:PORT"):
         open_backend("http://localhost:6379")
     assert not RedisBackend("redis://127.0.0.1:1/0").ping()
-    for url in ("localhost:6379", "redis://127.0.0.1:1/0"):
+    for url, says in (("localhost:6379", "must look like redis://"), ("redis://127.0.0.1:1/0", "no Redis answered")):
         result = CliRunner().invoke(cli_app, ["generate", "w1 w2", "--target", tiny_model_dir, "--cache-url", url])
-        assert result.exit_code == 2 and "cache-url" in result.output and "Traceback" not in result.output
+        assert result.exit_code == 2 and says in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
+# --- in the server ---
+
+
+def test_two_servers_on_one_redis_share_answers_and_drafts(bf16_model):
+    """The second server's first request on a prompt the first server answered: a cache hit;
+    a slightly different request (another budget) is decoded, drafted from the shared store."""
+    with redis_server() as url:
+        first, second = (engine_with_caches(bf16_model, url, auto=True, text=True) for _ in range(2))
+        with serving(create_app(first, model_name=MODEL)) as a, serving(create_app(second, model_name=MODEL)) as b:
+            ask = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0)
+            answered = _client(a).completions.create(**ask)
+            hit = _client(b).completions.create(**ask)
+            assert hit.choices[0].text == answered.choices[0].text and hit.usage == answered.usage
+            assert hit.model_extra["speculative"]["cached"] and not answered.model_extra["speculative"]["cached"]
+            drafted = _client(b).completions.create(**(ask | dict(max_tokens=29)))
+            stats = drafted.model_extra["speculative"]
+            assert drafted.choices[0].text == answered.choices[0].text[: len(drafted.choices[0].text)]
+            assert stats["drafted_by_source"]["suffix"][1] >= 10  # accepted from the other server's answer
+            assert stats["mean_accepted_length"] > 2.5
+            metrics = httpx.get(f"{b}/metrics").text
+            assert metric(metrics, 'specdecode:response_cache_lookups_total{result="hit"}') == 1
+            assert metric(metrics, 'specdecode:spec_decode_num_accepted_tokens_by_source_total{source="suffix"}') >= 10
+            assert metric(metrics, "specdecode:draft_store_tokens") > 0
+
+
+def test_a_streamed_request_is_answered_from_the_cache_too(bf16_model):
+    engine = engine_with_caches(bf16_model, text=True)
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        ask = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True)
+        texts = [
+            "".join(c.choices[0].text for c in _client(url).completions.create(**ask) if c.choices) for _ in range(2)
+        ]
+        assert texts[0] == texts[1] and texts[0]
+        assert metric(httpx.get(f"{url}/metrics").text, 'specdecode:response_cache_lookups_total{result="hit"}') == 1
+
+
+def test_serve_with_an_unreachable_redis_warns_and_serves(tiny_model_dir):
+    port = free_port()
+    command = [sys.executable, "-m", "specdecode.cli", "serve", "--target", tiny_model_dir, "--port", str(port)]
+    command += ["--cache-url", f"redis://127.0.0.1:{free_port()}/0"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: _health(f"http://127.0.0.1:{port}"), timeout=60)
+        answer = _client(f"http://127.0.0.1:{port}").completions.create(
+            model=tiny_model_dir, prompt="w1 w2 w3", max_tokens=4, temperature=0
+        )
+        assert answer.choices[0].finish_reason == "length"
+    finally:
+        server.terminate()
+        output = server.communicate(timeout=30)[0]
+    assert "warning: no Redis answers" in output
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _health(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -27,7 +27,7 @@ stderr = Console(stderr=True)
 TargetOption = Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")]
 DraftOption = Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")]
 DrafterOption = Annotated[
-    str, typer.Option(help="auto, model, prompt-lookup, self-quantized, cross-tokenizer or none.")
+    str, typer.Option(help="auto, model, prompt-lookup, suffix, self-quantized, cross-tokenizer or none.")
 ]
 KOption = Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
@@ -37,6 +37,17 @@ MaxModelLenOption = Annotated[
     typer.Option(help="Most tokens, prompt and generated, a sequence may hold \\[default: the model's context]."),
 ]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CacheUrlOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="redis://HOST:PORT/DB (or rediss://): share the caches with other processes \\[default: this one]."
+    ),
+]
+ResponseCacheOption = Annotated[
+    bool, typer.Option(help="Answer repeated deterministic requests from the cache (where exact).")
+]
+DraftStoreOption = Annotated[bool, typer.Option(help="Earlier requests' text drafts (drafters suffix and auto).")]
+CacheMaxMbOption = Annotated[int, typer.Option(help="Memory of the in-process cache, in MB.")]
 
 
 @contextmanager
@@ -89,10 +100,16 @@ def generate(
     dtype: DtypeOption = "auto",
     trust_remote_code: Annotated[bool, typer.Option(help="Run model code from the Hub (off by default).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    compare: Annotated[bool, typer.Option(help="Also run target-only decoding and print the speedup.")] = False,
+    compare: Annotated[
+        bool, typer.Option(help="Also run target-only decoding and print the speedup (caches off: it times decoding).")
+    ] = False,
+    cache_url: CacheUrlOption = None,
+    response_cache: ResponseCacheOption = True,
+    draft_store: DraftStoreOption = True,
+    cache_max_mb: CacheMaxMbOption = 256,
 ) -> None:
     """Generate text with speculative decoding and print it with its stats."""
-    from specdecode.engine import DrafterOptions, SpeculativeEngine
+    from specdecode.engine import CacheOptions, DrafterOptions, SpeculativeEngine
 
     with user_errors():
         _check_arguments(prompt, k, max_new_tokens, SamplingParams(temperature, top_k, top_p))
@@ -111,6 +128,14 @@ def generate(
                 trust_remote_code,
                 options=drafter_options,
                 max_model_len=max_model_len,
+                # --compare decodes one prompt again and again: caches would time themselves
+                cache=CacheOptions(
+                    cache_url,
+                    response_cache and not compare,
+                    draft_store and not compare,
+                    cache_max_mb,
+                    require_backend=True,
+                ),
             )
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
         options = dict(
@@ -339,9 +364,13 @@ def serve(
         Optional[str],
         typer.Option(hidden=True, help="Testing: 'TRANSIENT,CRASH[,DELAY_S]' step failure probabilities, step delay."),
     ] = None,
+    cache_url: CacheUrlOption = None,
+    response_cache: ResponseCacheOption = True,
+    draft_store: DraftStoreOption = True,
+    cache_max_mb: CacheMaxMbOption = 256,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    from specdecode.engine import SpeculativeEngine
+    from specdecode.engine import CacheOptions, SpeculativeEngine
     from specdecode.server import create_app, run_server
 
     with user_errors():
@@ -357,9 +386,13 @@ def serve(
         _check_max_model_len(max_model_len)
         faults = _fault_injector(inject_faults) if inject_faults else None
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
+            # a Redis that does not answer yet is not fatal here: the server starts on its own cache
+            cache = CacheOptions(cache_url, response_cache, draft_store, cache_max_mb)
             engine = SpeculativeEngine.from_pretrained(
-                target, draft, drafter, k, device, dtype, max_model_len=max_model_len
+                target, draft, drafter, k, device, dtype, max_model_len=max_model_len, cache=cache
             )
+            if cache_url is not None and not engine.cache_backend.ping():  # not fatal: it may come up later
+                stderr.print(f"warning: no Redis answers at {cache_url}; caching in this process until one does")
         server_app = create_app(
             engine,
             target,

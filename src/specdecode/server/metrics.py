@@ -73,6 +73,32 @@ class ServerMetrics:
             buckets=_PER_TOKEN_BUCKETS,
             registry=r,
         )
+        self.response_cache = Counter(
+            "specdecode:response_cache_lookups",
+            "Deterministic requests looked up in the response cache, by result (hit or miss).",
+            ["result"],
+            registry=r,
+        )
+        self.drafted_by_source = Counter(
+            "specdecode:spec_decode_num_draft_tokens_by_source",
+            "Tokens proposed, by the drafter that proposed them (auto's candidates apart).",
+            ["source"],
+            registry=r,
+        )
+        self.accepted_by_source = Counter(
+            "specdecode:spec_decode_num_accepted_tokens_by_source",
+            "Draft tokens accepted, by the drafter that proposed them.",
+            ["source"],
+            registry=r,
+        )
+        self.cache_backend_errors = Gauge(
+            "specdecode:cache_backend_errors",
+            "Cache backend (Redis) calls that failed and were served in process.",
+            registry=r,
+        )
+        self.draft_store_tokens = Gauge(
+            "specdecode:draft_store_tokens", "Tokens of earlier requests indexed by the draft store.", registry=r
+        )
         self.e2e_latency = Histogram(
             "specdecode:e2e_request_latency_seconds",
             "Arrival to the finished result (queue wait included).",

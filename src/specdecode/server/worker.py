@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from specdecode.decoder import Sequence
+from specdecode.drafters import candidates_of
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import GenerationResult, SpeculativeEngine, make_generator
 from specdecode.errors import ContextLengthError
 from specdecode.server.faults import StepHook
@@ -129,6 +131,10 @@ class EngineWorker:
         )
         metrics.requests_waiting.set_function(self._queue.qsize)
         metrics.requests_running.set_function(lambda: len(self.decoder.active))
+        backend = engine.cache_backend
+        metrics.cache_backend_errors.set_function(lambda: backend.errors if backend is not None else 0)
+        store = next((d.store for d in candidates_of(engine.drafter) if isinstance(d, SuffixDrafter)), None)
+        metrics.draft_store_tokens.set_function(lambda: len(store) if store is not None else 0)
 
     def start(self) -> None:
         """Run the engine loop in a thread of its own (`run` in the caller's thread is faster: see run)."""
@@ -225,7 +231,22 @@ class EngineWorker:
                 self._resolve(handle, error=error)
                 continue
             handle.started_at = time.perf_counter()
-            self.decoder.add(seq)
+            if not self._answer_from_cache(seq):
+                self.decoder.add(seq)
+
+    def _answer_from_cache(self, seq: Sequence) -> bool:
+        """A deterministic request seen before: answered at once, without a slot or a forward."""
+        if seq.cache_key is None:
+            return False
+        result = self.engine.cached_result(seq)
+        self.metrics.response_cache.labels("miss" if result is None else "hit").inc()
+        if result is None:
+            return False
+        seq.stats.wall_time_s = time.perf_counter() - seq.tag.started_at
+        seq.tag.first_token_at = time.perf_counter()
+        self.metrics.time_to_first_token.observe(seq.tag.first_token_at - seq.tag.request.arrival)
+        self._finish(seq.tag, result)
+        return True
 
     def _sequence(self, handle: RequestHandle) -> Sequence:
         request, engine = handle.request, self.engine
@@ -300,10 +321,18 @@ class EngineWorker:
         seq.stats.wall_time_s = time.perf_counter() - handle.started_at
         try:
             result = self.engine.result(seq)
+            self.engine.remember(seq)
+        except Exception as error:  # noqa: BLE001 - out of the batch already: answer it here or never
+            self._resolve(handle, error=error)
+            return
+        self._finish(handle, result)
+
+    def _finish(self, handle: RequestHandle, result: GenerationResult) -> None:
+        try:
             self._record(handle, result)
             if handle.request.stream:
                 self._publish_text(handle, result.text, final=True)
-        except Exception as error:  # noqa: BLE001 - out of the batch already: answer it here or never
+        except Exception as error:  # noqa: BLE001 - answer it here or never
             self._resolve(handle, error=error)
             return
         self._resolve(handle, result)
@@ -351,6 +380,11 @@ class EngineWorker:
         m.target_forwards.inc(stats.target_forwards)
         for position, accepted in enumerate(stats.accepted_per_position):
             m.accepted_per_position.labels(str(position)).inc(accepted)
+        sources = stats.drafted_by_source or {stats.drafter: [stats.drafted_tokens, stats.accepted_tokens]}
+        for source, (drafted, accepted) in sources.items():
+            if drafted:
+                m.drafted_by_source.labels(source).inc(drafted)
+                m.accepted_by_source.labels(source).inc(accepted)
         m.requests_finished.labels(result.finish_reason).inc()
 
 
