@@ -259,7 +259,7 @@ def test_two_servers_on_one_redis_share_answers_and_drafts(bf16_model):
             stats = drafted.model_extra["speculative"]
             assert drafted.choices[0].text == answered.choices[0].text[: len(drafted.choices[0].text)]
             assert stats["drafted_by_source"]["suffix"][1] >= 10  # accepted from the other server's answer
-            assert stats["mean_accepted_length"] > 2.5
+            assert stats["mean_accepted_length"] > 2  # tokens per target forward; target-only: 1
             metrics = httpx.get(f"{b}/metrics").text
             assert metric(metrics, 'specdecode:response_cache_lookups_total{result="hit"}') == 1
             assert metric(metrics, 'specdecode:spec_decode_num_accepted_tokens_by_source_total{source="suffix"}') >= 10
