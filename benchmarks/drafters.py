@@ -23,7 +23,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from report import emit
-from specdecode import SpeculativeEngine
+from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.drafters import (
     AutoDrafter,
     CrossTokenizerDrafter,
@@ -53,6 +53,9 @@ PROMPTS = {
         "Write a friendly email inviting a colleague to lunch.",
     ],
 }
+
+
+NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
 
 
 def random_draft(target) -> LlamaForCausalLM:
@@ -108,7 +111,9 @@ def main() -> None:
     parser.add_argument("--lookup-only", action="store_true", help="only prompt lookup, auto and the random draft")
     args = parser.parse_args()
 
-    engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype)
+    engine = SpeculativeEngine.from_pretrained(
+        "smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype, cache=NO_CACHE
+    )
     views = {}
     for name, (drafter, k, adaptive) in drafters(engine, args.k_max, not args.lookup_only).items():
         views[name] = view = engine.with_drafter(drafter, k, adaptive)  # shares the target and tokenizer

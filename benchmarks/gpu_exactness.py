@@ -19,7 +19,7 @@ import time
 import torch
 
 from report import emit
-from specdecode import DrafterOptions, SpeculativeEngine
+from specdecode import CacheOptions, DrafterOptions, SpeculativeEngine
 from specdecode.bench.prompts import default_prompt_file
 
 NUM_PROMPTS = 10
@@ -33,7 +33,11 @@ def prompts() -> list[str]:
 
 def check(dtype: str, device: str, new_tokens: int) -> list[str]:
     engine = SpeculativeEngine.from_pretrained(
-        drafter="prompt-lookup", device=device, dtype=dtype, options=DrafterOptions(adaptive=False)
+        drafter="prompt-lookup",
+        device=device,
+        dtype=dtype,
+        options=DrafterOptions(adaptive=False),
+        cache=CacheOptions(response_cache=False, draft_store=False),  # every output decoded
     )
     texts = prompts()
     options = dict(max_new_tokens=new_tokens, chat=True)

@@ -19,12 +19,15 @@ import torch
 
 from drafters import PROMPTS
 from report import emit
-from specdecode import SpeculativeEngine
+from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.profiler import measure_hardware, median_seconds, profile_forward
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import PromptLookupDrafter
 
 KS = (2, 4, 8, 12, 16)
+
+
+NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
 
 
 def lookup_steps(prompt: list[int], answer: list[int], k: int) -> list[int]:
@@ -47,7 +50,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype)
+    engine = SpeculativeEngine.from_pretrained(
+        "smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype, cache=NO_CACHE
+    )
     runner, model = engine.target_runner, engine.target_runner.model
     hardware = measure_hardware(model.dtype)
     costs = {

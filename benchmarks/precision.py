@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode import SpeculativeEngine
+from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.runners import runner_for
 
 PROMPTS = [
@@ -35,6 +35,9 @@ TEXT = (
     "carried sacks of grain to the village hall. Nobody in the valley remembered a flood this early "
     "in the spring, and the old miller said the snow in the mountains had melted three weeks too soon."
 )
+
+
+NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
 
 
 def variants(model):
@@ -85,7 +88,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/precision.md")
     args = parser.parse_args()
 
-    engine = SpeculativeEngine.from_pretrained(device="cpu", dtype="float32", drafter="none")
+    engine = SpeculativeEngine.from_pretrained(device="cpu", dtype="float32", drafter="none", cache=NO_CACHE)
     model, tokenizer = engine.target_runner.model, engine.tokenizer
     runs = variants(model)
     engines = {name: SpeculativeEngine(runner, tokenizer, None, 0) for name, runner, _ in runs}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from specdecode import SpeculativeEngine
+from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.loading import OFFLINE_MODELS, converted_gguf
 from specdecode.runners import HFModelRunner
@@ -104,7 +104,10 @@ def test_bfloat16_batches_and_speculation_reproduce_bfloat16_target_only_decodin
     with open(default_prompt_file()) as lines:
         prompts = [json.loads(line)["turns"][0] for line in list(lines)[:10]]
     options = DrafterOptions(adaptive=False)
-    bf16 = SpeculativeEngine.from_pretrained(drafter="prompt-lookup", device="cpu", dtype="bfloat16", options=options)
+    no_cache = CacheOptions(response_cache=False, draft_store=False)  # every output decoded, none served from cache
+    bf16 = SpeculativeEngine.from_pretrained(
+        drafter="prompt-lookup", device="cpu", dtype="bfloat16", options=options, cache=no_cache
+    )
     kwargs = dict(max_new_tokens=16, chat=True)
     expected = [bf16.generate(p, speculative=False, **kwargs)[0].token_ids for p in prompts]
     alone = bf16.generate(prompts, **kwargs)

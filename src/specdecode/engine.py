@@ -186,13 +186,20 @@ class SpeculativeEngine:
         )
 
     def with_drafter(
-        self, drafter: Drafter | AutoDrafter | None, num_speculative_tokens: int, adaptive: bool = False
+        self,
+        drafter: Drafter | AutoDrafter | None,
+        num_speculative_tokens: int,
+        adaptive: bool = False,
+        response_cache: bool = False,
     ) -> SpeculativeEngine:
         """This engine's target and tokenizer (shared, not copied) with another drafter, k and
-        a decoder of its own: a system to compare with this one in the same process."""
+        a decoder of its own: a system to compare with this one in the same process. It answers
+        from this engine's response cache only if asked: a comparison would time the cache."""
         view = copy.copy(self)
         view.drafter, view.num_speculative_tokens = drafter, _checked_k(num_speculative_tokens)
         view.decoder = Decoder(self.target_runner, adaptive, self.max_model_len)
+        if not response_cache:
+            view.response_cache = None
         return view
 
     @property

@@ -23,7 +23,7 @@ from specdecode.bench.prompts import BenchPrompt, load_prompts, select_prompts
 from specdecode.bench.quality import Difference, add_perplexities, compare_greedy
 from specdecode.bench.systems import EngineSystem, HFSystem, SystemSpec, build_systems, load_draft, plan_systems
 from specdecode.core.sampling import SamplingParams
-from specdecode.engine import SpeculativeEngine
+from specdecode.engine import CacheOptions, SpeculativeEngine
 from specdecode.errors import InvalidArgumentError
 
 WARM_UP_TOKENS = 8
@@ -87,7 +87,10 @@ def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchR
 
 def load_models(config: BenchConfig) -> tuple[SpeculativeEngine, dict[str, PreTrainedModel]]:
     """The target, in an engine without a drafter (systems add their own), and the draft models."""
-    engine = SpeculativeEngine.from_pretrained(config.target, None, "none", 0, device=config.device, dtype=config.dtype)
+    no_cache = CacheOptions(response_cache=False, draft_store=False)  # the benchmark times decoding, not caches
+    engine = SpeculativeEngine.from_pretrained(
+        config.target, None, "none", 0, device=config.device, dtype=config.dtype, cache=no_cache
+    )
     drafts = {name: load_draft(name, engine, config.device, config.dtype) for name in config.drafts}
     return engine, drafts
 

@@ -16,8 +16,9 @@ class SuffixDrafter:
     per_sequence = True  # forks share the store
     depends_on_history = True
 
-    def __init__(self, store: DraftStore):
-        self.store = store
+    def __init__(self, store: DraftStore, learn: bool = True):
+        """learn=False: draft from the store without adding to it (a benchmark's fixed history)."""
+        self.store, self.learn = store, learn
 
     def fork(self) -> SuffixDrafter:
         return self  # no per-sequence state
@@ -33,4 +34,5 @@ class SuffixDrafter:
         pass
 
     def finish(self, token_ids: list[int]) -> None:
-        self.store.add(list(token_ids))
+        if self.learn:
+            self.store.add(list(token_ids))
