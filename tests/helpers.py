@@ -26,15 +26,29 @@ VOCAB = 24
 WORDS = ["<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
 
 
-def tiny_llama(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init: float = 0.6) -> LlamaForCausalLM:
+# the shape every tiny Llama-family model shares: fast, and big enough for GQA and rope
+TINY_SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def tiny_causal_lm(model_class, config_class, seed: int, **config):
+    """A randomly initialised model of TINY_SHAPE (config overrides it), in eval mode."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    return model_class(config_class(**(dict(vocab_size=VOCAB) | TINY_SHAPE | config))).eval()
+
+
+def tiny_llama(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init: float = 0.6) -> LlamaForCausalLM:
+    return tiny_causal_lm(
+        LlamaForCausalLM,
+        LlamaConfig,
+        seed,
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=max_positions,
         initializer_range=init,  # large weights give peaked, dissimilar distributions
         eos_token_id=None,
@@ -42,7 +56,6 @@ def tiny_llama(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, ini
         pad_token_id=None,
         tie_word_embeddings=False,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 def tiny_gpt2(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init: float = 0.6) -> GPT2LMHeadModel:
@@ -326,3 +339,77 @@ def redis_server(port: int | None = None):
     finally:
         process.terminate()
         process.wait(10)
+
+
+@contextlib.contextmanager
+def prometheus_server(targets: list[str], tmp_path, scrape_interval: str = "1s"):
+    """A real Prometheus on a free loopback port scraping `targets` ("host:port", their
+    /metrics) every scrape_interval, its storage in tmp_path; yields its URL once it is ready.
+    Missing binary: a failure under CI (the project's setup installs it), a skip elsewhere."""
+    import shutil
+    import subprocess
+
+    import httpx
+    import pytest
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        message = "prometheus is not installed (make setup installs Debian's prometheus as root)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        f"global:\n  scrape_interval: {scrape_interval}\n  evaluation_interval: {scrape_interval}\n"
+        "scrape_configs:\n  - job_name: specdecode\n"
+        f"    scrape_interval: {scrape_interval}\n    scrape_timeout: {scrape_interval}\n"
+        f"    static_configs:\n      - targets: [{', '.join(repr(t) for t in targets)}]\n"
+    )
+    command = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - written while it runs, closed below
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(500):
+            if process.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("prometheus did not become ready")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
+
+
+def bnb_llama(seed: int, vocab_size: int = VOCAB, init: float = 0.3) -> LlamaForCausalLM:
+    """A tiny Llama that bitsandbytes can quantize: its CPU 4-bit layout needs every output size
+    a multiple of 32 (tiny_llama's key/value projections have 16 outputs)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=init,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()

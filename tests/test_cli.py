@@ -74,6 +74,16 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir):
         ([" ".join(["w3"] * 200), "--target", "{model}"], "shorten the prompt"),
         (["w1", "--target", "{model}", "--max-model-len", "1000"], "max_model_len must be in [2, 128]"),
         (["w1", "--target", "{model}", "--max-model-len", "1"], "--max-model-len must be at least 2"),
+        (["w1", "--target", "{model}", "--quantization", "int4"], "unknown quantization 'int4'"),
+        (["w1", "--target", "{model}", "--draft-quantization", "nf4"], "applies to the self-quantized drafter only"),
+        (
+            ["w1", "--target", "{model}", "--drafter", "prompt-lookup", "--draft-quantization", "int8"],
+            "not to 'prompt-lookup'",
+        ),
+        (
+            ["w1", "--target", "{model}", "--drafter", "self-quantized", "--draft-quantization", "int4"],
+            "unknown draft quantization 'int4'",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tiny_model_dir, args, message):
@@ -128,3 +138,46 @@ def test_serve_refuses_a_budget_or_length_that_cannot_work(tiny_model_dir, args,
     assert result.exit_code == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def bnb_model_dir(tmp_path_factory) -> str:
+    """A tiny Llama whose layers bitsandbytes' 4-bit CPU kernel can lay out (outputs of 32 and more)."""
+    from helpers import bnb_llama, tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("bnb-llama")
+    bnb_llama(seed=0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_4bit_layout_bitsandbytes_cannot_run_exits_2(tiny_model_dir):
+    import bitsandbytes
+
+    if not bitsandbytes.functional.has_avx512bf16():
+        pytest.skip("only bitsandbytes' AVX512-BF16 kernel lays 4-bit weights out in blocks of 32 rows")
+    result = run("w1", "--target", tiny_model_dir, "--quantization", "nf4")
+    assert result.exit_code == 2
+    assert "multiple of 32 outputs" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_quantized_target_names_its_precision_and_reproduces_itself(bnb_model_dir, quantization):
+    args = ["w1 w2 w3 w1 w2 w3 w1", "--target", bnb_model_dir, "--quantization", quantization, "--max-new-tokens"]
+    result = run(*args, "12", "--compare", "--json")
+    assert result.exit_code == 0, result.output
+    output = json.loads(result.stdout)
+    assert output["stats"]["target_precision"].startswith(f"{quantization} (bitsandbytes")
+    assert output["compare"]["identical_output"] is True
+    human = run(*args, "6")
+    assert f"| target {quantization} (bitsandbytes" in human.stdout.splitlines()[-1]
+
+
+def test_4bit_self_draft_from_the_command_line(bnb_model_dir):
+    args = ["w1 w2 w3", "--target", bnb_model_dir, "--drafter", "self-quantized", "--draft-quantization", "nf4"]
+    result = run(*args, "--max-new-tokens", "12", "--compare", "--json")
+    assert result.exit_code == 0, result.output
+    output = json.loads(result.stdout)
+    assert output["stats"]["drafter"] == "self-quantized-nf4" and output["stats"]["target_precision"] == "float32"
+    assert output["stats"]["drafted_tokens"] > 0
+    assert output["compare"]["identical_output"] is True

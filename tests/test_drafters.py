@@ -132,7 +132,7 @@ def test_cli_builds_drafters_from_its_options(tiny_model_dir):
             "fixed",
         ),
         (
-            ["--drafter", "self-quantized", "--quantization", "int8", "--min-confidence", "0.2"],
+            ["--drafter", "self-quantized", "--draft-quantization", "int8", "--min-confidence", "0.2"],
             "self-quantized-int8",
             "adaptive",
         ),

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from helpers import GREEDY_PROMPTS as PROMPTS
-from helpers import assert_drafted_and_accepted, hf_greedy, tiny_gpt2, tiny_llama
+from helpers import assert_drafted_and_accepted, hf_greedy, tiny_causal_lm, tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.runners import CachedSequence, HFModelRunner, fast_llama, runner_for, slots
@@ -33,19 +33,7 @@ from specdecode.runners.static_cache import StaticKVCache
 
 
 def tiny_qwen2(seed: int):
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=24,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.3,
-        use_sliding_window=False,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+    model = tiny_causal_lm(Qwen2ForCausalLM, Qwen2Config, seed, initializer_range=0.3, use_sliding_window=False)
     with torch.no_grad():  # random init leaves the q/k/v biases at zero; make them count
         for layer in model.model.layers:
             layer.self_attn.q_proj.bias.normal_(0, 0.3)
@@ -54,39 +42,22 @@ def tiny_qwen2(seed: int):
 
 
 def tiny_mistral(seed: int):
-    torch.manual_seed(seed)
-    config = MistralConfig(
-        vocab_size=24,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        initializer_range=0.3,
-        sliding_window=None,
+    return tiny_causal_lm(
+        MistralForCausalLM, MistralConfig, seed, num_key_value_heads=1, initializer_range=0.3, sliding_window=None
     )
-    return MistralForCausalLM(config).eval()
 
 
 def tiny_llama_with_biases(seed: int):
     """attention_bias=True: transformers' Llama then has a bias on q, k, v and o_proj."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=24,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
+    model = tiny_causal_lm(
+        LlamaForCausalLM,
+        LlamaConfig,
+        seed,
         initializer_range=0.3,
         attention_bias=True,
         eos_token_id=None,
         bos_token_id=None,
-        pad_token_id=None,
     )
-    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # random init leaves every bias at zero; make them all count
         for layer in model.model.layers:
             attn = layer.self_attn

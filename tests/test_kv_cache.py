@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from helpers import tiny_gpt2, tiny_llama
+from helpers import tiny_causal_lm, tiny_gpt2, tiny_llama
 from specdecode.runners import CachedSequence, HFModelRunner
 
 
@@ -41,19 +41,7 @@ def test_only_the_new_suffix_is_run():
 
 def tiny_sliding_mistral(seed: int):
     """Sliding-window attention (window 4, shorter than the prompts below)."""
-    torch.manual_seed(seed)
-    config = MistralConfig(
-        vocab_size=24,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.6,
-        sliding_window=4,
-    )
-    return MistralForCausalLM(config).eval()
+    return tiny_causal_lm(MistralForCausalLM, MistralConfig, seed, initializer_range=0.6, sliding_window=4)
 
 
 @pytest.mark.parametrize("family", [tiny_llama, tiny_sliding_mistral], ids=["llama", "sliding-window"])

@@ -1,10 +1,32 @@
-"""Weight-only int8: the product equals the one with the dequantized weight."""
+"""Weight-only int8: the product equals the one with the dequantized weight. bitsandbytes nf4,
+fp4 and int8 targets (--quantization) and 4-bit self-drafts: exact relative to the quantized model."""
 
+import copy
+
+import bitsandbytes as bnb
 import pytest
 import torch
 
-from helpers import tiny_gpt2, tiny_llama
-from specdecode.runners import CachedSequence, runner_for
+from helpers import (
+    ALPHA,
+    DIST_VOCAB,
+    GREEDY_PROMPTS,
+    assert_drafted_and_accepted,
+    bnb_llama,
+    exact_joint,
+    g_test_pvalue,
+    hf_greedy,
+    sample_counts,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_tokenizer,
+)
+from specdecode import SpeculativeEngine, loading
+from specdecode.drafters import ModelDrafter, self_quantized_drafter
+from specdecode.drafters.factory import DrafterOptions, check_drafter_options
+from specdecode.drafters.self_quantized import quantized_copy
+from specdecode.loading import load_model, precision_of, quantization_of
+from specdecode.runners import CachedSequence, HFModelRunner, runner_for
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.projection import projection
 
@@ -50,3 +72,154 @@ def test_packed_products_equal_plain_ones_whatever_the_padding():
     for n in range(1, 21):
         torch.testing.assert_close(packed(x[:n]), plain(x[:n]), atol=1e-5, rtol=1e-5)
     assert torch.equal(packed(x[:6])[0], packed(x[:8])[0])  # both padded to 8 rows
+
+
+# --- bitsandbytes nf4 / fp4 / int8 targets (loading.py, --quantization) ---
+
+BNB = ["nf4", "fp4", "int8"]
+
+
+def saved(model, folder) -> str:
+    model.save_pretrained(folder)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return str(folder)
+
+
+def quantized(model, quantization, folder):
+    """model saved as a local folder and loaded back quantized, as --quantization loads a target."""
+    return load_model(saved(model, folder), "cpu", "float32", quantization=quantization)[0]
+
+
+def dequantized(qmodel, original):
+    """original with every bitsandbytes layer's weight replaced by what that layer multiplies by:
+    the quantized model's distribution, computed by transformers' own float modules. Call it
+    before qmodel's first forward (on the CPU the first forward repacks the 4-bit codes)."""
+    copy_ = copy.deepcopy(original)
+    modules = dict(copy_.named_modules())
+    for name, module in qmodel.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            weight = module.weight.data.float() * module.weight.SCB.float()[:, None] / 127
+        else:
+            continue
+        modules[name].weight.data.copy_(weight.float())
+    return copy_
+
+
+@pytest.mark.parametrize("quantization", BNB)
+def test_quantized_target_loads_from_a_folder_and_runs_on_transformers_runner(quantization, tmp_path):
+    qmodel = quantized(bnb_llama(seed=1), quantization, tmp_path)
+    assert quantization_of(qmodel) == quantization
+    assert precision_of(qmodel).startswith(f"{quantization} (bitsandbytes")
+    assert isinstance(runner_for(qmodel), HFModelRunner)  # never the fast path, which reads raw weights
+    with pytest.raises(ValueError, match="transformers runner"):
+        runner_for(qmodel, "fast")
+    engine = SpeculativeEngine(qmodel, tiny_tokenizer())
+    stats = engine.generate([[3, 5, 7, 2]], max_new_tokens=4)[0].stats
+    assert stats.target_precision == precision_of(qmodel) and "float32 elsewhere" in stats.target_precision
+
+
+@pytest.mark.parametrize("quantization", BNB)
+def test_greedy_speculation_over_a_quantized_target_equals_its_own_generate(quantization, tmp_path):
+    """Exact relative to the quantized model: the float model drafts, the quantized one verifies,
+    and the output is the quantized model's greedy generate, token for token."""
+    original = bnb_llama(seed=2)
+    qmodel = quantized(original, quantization, tmp_path)
+    engine = SpeculativeEngine(qmodel, drafter=ModelDrafter(HFModelRunner(original)), num_speculative_tokens=3)
+    results = engine.generate(GREEDY_PROMPTS, max_new_tokens=20)
+    expected = [hf_greedy(qmodel, p, 20) for p in GREEDY_PROMPTS]
+    assert [r.token_ids for r in results] == expected
+    assert_drafted_and_accepted(results, quantization)
+    # negative control: the float model's own greedy output is another sequence (quantizing changed the model)
+    assert [hf_greedy(original, p, 20) for p in GREEDY_PROMPTS] != expected
+
+
+def test_sampling_over_an_nf4_target_keeps_the_quantized_distribution(tmp_path):
+    """G-test against the nf4 model's exact law (its dequantized weights, in float64); negative
+    control: the same samples against the float model it was quantized from must be rejected."""
+    params = dict(temperature=1.0)
+    original = bnb_llama(seed=1, vocab_size=DIST_VOCAB)
+    qmodel = quantized(original, "nf4", tmp_path)
+    reference = dequantized(qmodel, original)
+    engine = SpeculativeEngine(qmodel, drafter=ModelDrafter(HFModelRunner(original)), num_speculative_tokens=3)
+    counts = sample_counts(engine, 3, params, seed=21)
+    assert g_test_pvalue(counts, exact_joint(reference, params)) > ALPHA
+    assert g_test_pvalue(counts, exact_joint(original, params)) < ALPHA
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp4"])
+def test_4bit_self_draft_is_exact_and_quantized_as_transformers_quantizes(quantization, tmp_path):
+    target = bnb_llama(seed=3)
+    drafter = self_quantized_drafter(target, quantization)
+    assert drafter.name == f"self-quantized-{quantization}"
+    engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=4)
+    results = engine.generate(GREEDY_PROMPTS, max_new_tokens=20)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 20) for p in GREEDY_PROMPTS]
+    assert_drafted_and_accepted(results, quantization)
+    # the in-memory copy holds the codes transformers' BitsAndBytesConfig gives the same weights
+    copy_, loaded = quantized_copy(target, quantization), quantized(target, quantization, tmp_path)
+    for name, module in loaded.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            mine = copy_.get_submodule(name).weight
+            assert torch.equal(mine.data, module.weight.data), name
+            assert torch.equal(mine.quant_state.absmax, module.weight.quant_state.absmax), name
+
+
+def test_self_quantized_drafter_refuses_an_already_quantized_target(tmp_path):
+    qmodel = quantized(bnb_llama(seed=1), "nf4", tmp_path)
+    with pytest.raises(ValueError, match="already quantized"):
+        self_quantized_drafter(qmodel, "bfloat16")
+
+
+def test_draft_quantization_applies_to_the_self_quantized_drafter_only():
+    check_drafter_options("self-quantized", DrafterOptions(draft_quantization="nf4"))
+    check_drafter_options("auto", DrafterOptions())
+    for name in ("auto", "prompt-lookup", "model", "none"):
+        with pytest.raises(ValueError, match="self-quantized drafter only") as error:
+            check_drafter_options(name, DrafterOptions(draft_quantization="nf4"))
+        assert error.value.param == "draft_quantization"
+    with pytest.raises(ValueError, match="unknown draft quantization 'int4'"):
+        check_drafter_options("self-quantized", DrafterOptions(draft_quantization="int4"))
+
+
+def test_compute_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loading, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert loading.bnb_compute_dtype(cpu) == torch.bfloat16
+    monkeypatch.setattr(loading, "cpu_flags", lambda: {"avx2", "amx_bf16"})
+    assert loading.bnb_compute_dtype(cpu) == torch.bfloat16
+    monkeypatch.setattr(loading, "cpu_flags", lambda: {"avx2"})
+    assert loading.bnb_compute_dtype(cpu) == torch.float32
+    assert loading.bnb_config("nf4", cpu).bnb_4bit_compute_dtype == torch.float32
+
+
+def test_clear_errors_where_bitsandbytes_cannot_run(monkeypatch):
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="CPU or CUDA here, not on mps"):
+        loading.check_bitsandbytes(torch.device("mps"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(ValueError, match="needs an x86 CPU with AVX2"):
+        loading.check_bitsandbytes(cpu)
+    monkeypatch.undo()
+    find_spec = loading.importlib.util.find_spec
+    monkeypatch.setattr(
+        loading.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else find_spec(name)
+    )
+    with pytest.raises(ValueError, match="needs the bitsandbytes package, which is not installed"):
+        loading.check_bitsandbytes(cpu)
+
+
+def test_unknown_quantization_is_refused_before_loading():
+    with pytest.raises(ValueError, match="unknown quantization 'int4'") as error:
+        SpeculativeEngine.from_pretrained("no-such-model", quantization="int4")
+    assert error.value.param == "quantization"
+
+
+def test_a_model_bitsandbytes_cannot_lay_out_is_a_clear_error(tmp_path):
+    if not bnb.functional.has_avx512bf16():
+        pytest.skip("only bitsandbytes' AVX512-BF16 kernel lays 4-bit weights out in blocks of 32 rows")
+    with pytest.raises(ValueError, match="multiple of 32 outputs, and model.layers.0.self_attn.k_proj has 16"):
+        quantized(tiny_llama(seed=0), "nf4", tmp_path)  # key/value projections of 16 outputs
+    with pytest.raises(ValueError, match="multiple of 32 outputs"):
+        self_quantized_drafter(tiny_llama(seed=0), "nf4")

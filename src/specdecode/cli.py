@@ -37,6 +37,10 @@ MaxModelLenOption = Annotated[
     typer.Option(help="Most tokens, prompt and generated, a sequence may hold \\[default: the model's context]."),
 ]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QuantizationOption = Annotated[
+    Optional[str],
+    typer.Option(help="Quantize the target with bitsandbytes: nf4, fp4 or int8 \\[default: none]."),
+]
 CacheUrlOption = Annotated[
     Optional[str],
     typer.Option(
@@ -81,7 +85,11 @@ def generate(
     ngram: Annotated[tuple[int, int], typer.Option(help="Prompt lookup: shortest and longest n-gram.")] = (1, 3),
     max_continuation: Annotated[Optional[int], typer.Option(help="Prompt lookup: most tokens copied per step.")] = None,
     lookup_history: Annotated[bool, typer.Option(help="Prompt lookup also searches earlier requests.")] = False,
-    quantization: Annotated[str, typer.Option(help="self-quantized drafter: bfloat16 or int8.")] = "bfloat16",
+    quantization: QuantizationOption = None,
+    draft_quantization: Annotated[
+        Optional[str],
+        typer.Option(help="self-quantized drafter only: bfloat16, int8, nf4 or fp4 \\[default: bfloat16]."),
+    ] = None,
     min_confidence: Annotated[
         float, typer.Option(help="Model drafters stop after a token they give less probability.")
     ] = 0.0,
@@ -116,7 +124,7 @@ def generate(
         _check_max_model_len(max_model_len)
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
             drafter_options = DrafterOptions(
-                adaptive, *ngram, max_continuation, lookup_history, quantization, min_confidence
+                adaptive, *ngram, max_continuation, lookup_history, draft_quantization, min_confidence
             )
             engine = SpeculativeEngine.from_pretrained(
                 target,
@@ -136,6 +144,7 @@ def generate(
                     cache_max_mb,
                     require_backend=True,
                 ),
+                quantization=quantization,
             )
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
         options = dict(
@@ -360,6 +369,7 @@ def serve(
     max_request_seconds: Annotated[float, typer.Option(help="A request running longer fails with 504.")] = 600.0,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    quantization: QuantizationOption = None,
     inject_faults: Annotated[
         Optional[str],
         typer.Option(hidden=True, help="Testing: 'TRANSIENT,CRASH[,DELAY_S]' step failure probabilities, step delay."),
@@ -368,6 +378,13 @@ def serve(
     response_cache: ResponseCacheOption = True,
     draft_store: DraftStoreOption = True,
     cache_max_mb: CacheMaxMbOption = 256,
+    otel_console: Annotated[
+        bool,
+        typer.Option(
+            "--otel-console",
+            help="Print OpenTelemetry spans to the console (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT).",
+        ),
+    ] = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from specdecode.engine import CacheOptions, SpeculativeEngine
@@ -385,11 +402,20 @@ def serve(
             raise InvalidArgumentError(f"--kv-cache-gb must be positive, got {kv_cache_gb}")
         _check_max_model_len(max_model_len)
         faults = _fault_injector(inject_faults) if inject_faults else None
+        tracing = _tracing(otel_console)
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
             # a Redis that does not answer yet is not fatal here: the server starts on its own cache
             cache = CacheOptions(cache_url, response_cache, draft_store, cache_max_mb)
             engine = SpeculativeEngine.from_pretrained(
-                target, draft, drafter, k, device, dtype, max_model_len=max_model_len, cache=cache
+                target,
+                draft,
+                drafter,
+                k,
+                device,
+                dtype,
+                max_model_len=max_model_len,
+                cache=cache,
+                quantization=quantization,
             )
             if cache_url is not None and not engine.cache_backend.ping():  # not fatal: it may come up later
                 stderr.print(f"warning: no Redis answers at {cache_url}; caching in this process until one does")
@@ -403,11 +429,25 @@ def serve(
             faults=faults,
             start_worker=False,
             kv_cache_gb=kv_cache_gb,
+            tracing=tracing,
         )
     sizes = f"max_model_len {engine.max_model_len}, up to {server_app.state.worker.decoder.capacity} requests at once"
     stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes})" + (" (API key required)" if api_key else ""))
     with user_errors():
         run_server(server_app, host, port)
+
+
+def _tracing(console: bool):
+    """OpenTelemetry tracing as the OTEL_* variables ask, and to the console with --otel-console;
+    None (off: the SDK is not even imported) when neither."""
+    import os
+
+    otel = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if not console and not any(os.environ.get(name) for name in otel):
+        return None
+    from specdecode.server.tracing import from_environment
+
+    return from_environment(console)
 
 
 def _fault_injector(spec: str):
@@ -470,6 +510,45 @@ def loadtest(
     if output:
         with open(output, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+@app.command()
+def batch(
+    input: Annotated[str, typer.Argument(help="JSONL in the OpenAI Batch API format (custom_id, method, url, body).")],
+    output: Annotated[str, typer.Option(help="JSONL of answers; a rerun skips the custom_ids already in it.")],
+    target: TargetOption = DEFAULT_TARGET,
+    draft: DraftOption = None,
+    drafter: DrafterOption = "auto",
+    k: KOption = 4,
+    concurrency: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 8,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+) -> None:
+    """Answer a JSONL file of completions and chat requests offline, as `specdecode serve` would."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.server import create_app
+    from specdecode.server.batch import done_ids, read_requests, run_batch
+
+    with user_errors():
+        source, destination = Path(input), Path(output)
+        if not source.is_file():
+            raise InvalidArgumentError(f"no input file at {input}")
+        if concurrency < 1:
+            raise InvalidArgumentError(f"--concurrency must be at least 1, got {concurrency}")
+        lines = read_requests(source)
+        left = len([line for line in lines if line["custom_id"] not in done_ids(destination)])
+        with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
+            engine = SpeculativeEngine.from_pretrained(target, draft, drafter, k, device, dtype)
+        server_app = create_app(engine, target, max_batch_size=concurrency, max_waiting=max(64, concurrency))
+        columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=stderr) as progress:
+            task = progress.add_task(f"{len(lines) - left} of {len(lines)} done before", total=left)
+            answered = run_batch(server_app, lines, destination, concurrency, lambda: progress.advance(task))
+    stderr.print(f"{answered} answered, {len(lines) - answered} already in {output}")
 
 
 def _positive_ints(text: str, name: str) -> list[int]:

@@ -22,9 +22,15 @@ from specdecode.core.stats import GenerationStats
 from specdecode.core.stopping import Stop, StoppingCriteria
 from specdecode.decoder import Decoder, Sequence, decode_all
 from specdecode.drafters import AutoDrafter, Drafter, candidates_of
-from specdecode.drafters.factory import DRAFTERS, DrafterOptions, check_drafter_name, make_drafter
+from specdecode.drafters.factory import (
+    DRAFTERS,
+    DrafterOptions,
+    check_drafter_name,
+    check_drafter_options,
+    make_drafter,
+)
 from specdecode.errors import InvalidArgumentError, PromptTooLongError
-from specdecode.loading import DEFAULT_TARGET, load_model
+from specdecode.loading import DEFAULT_TARGET, QUANTIZATIONS, load_model, precision_of
 from specdecode.runners import ModelRunner, runner_for
 
 __all__ = ["DRAFTERS", "CacheOptions", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
@@ -100,6 +106,11 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.eos_token_ids = _eos_token_ids(target, tokenizer)
+        model = getattr(self.target_runner, "model", None)
+        # the target's precision, named in every result's stats: "float32", "nf4 (bitsandbytes, ...)"
+        self.precision = (
+            precision_of(model) if model is not None else str(self.target_runner.dtype).removeprefix("torch.")
+        )
         self.cache_backend = None  # where the response cache and draft store live (open_caches)
         self.decoder = Decoder(self.target_runner, adaptive, self.max_model_len)
         self.response_cache, self.cache_note = None, "no response cache"
@@ -120,6 +131,7 @@ class SpeculativeEngine:
         options: DrafterOptions | None = None,
         max_model_len: int | None = None,
         cache: CacheOptions | None = None,
+        quantization: str | None = None,
     ) -> SpeculativeEngine:
         """Load target (and draft) by short name, folder, .gguf file or Hub id; pick the drafter.
 
@@ -130,11 +142,20 @@ class SpeculativeEngine:
         max_model_len: the most tokens a sequence may hold (default: the model's context).
         cache: the response cache and the draft store, in process or on Redis (default: both in
         process; `CacheOptions(response_cache=False, draft_store=False)` for neither).
+        quantization: "nf4", "fp4" or "int8" quantizes the target with bitsandbytes as it loads
+        (the output head and embeddings stay in dtype); it then runs on transformers' runner, where
+        verification reproduces the quantized model's one-token logits only up to rounding (README,
+        "4-bit and 8-bit targets"). None: every weight in dtype.
         """
         options = options or DrafterOptions()
         if isinstance(drafter, str):
             check_drafter_name(drafter, draft)
-        model, tokenizer = load_model(target, device, dtype, trust_remote_code)
+            check_drafter_options(drafter, options)
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError(
+                f"unknown quantization '{quantization}'; choose one of: {', '.join(QUANTIZATIONS)}", "quantization"
+            )
+        model, tokenizer = load_model(target, device, dtype, trust_remote_code, quantization)
         engine = cls(
             model,
             tokenizer,
@@ -400,6 +421,7 @@ class SpeculativeEngine:
             text = self.decode(seq.generated)
             if seq.finish.reason == "stop" and seq.stopping.stop_strings:
                 text = _cut_at_stop_string(text, seq.stopping.stop_strings)
+        seq.stats.target_precision = self.precision
         return GenerationResult(text, list(seq.generated), seq.prompt_ids, seq.finish.reason, seq.stats)
 
     def prompt_token_ids(self, prompt: str | SequenceOf[int], chat: bool) -> list[int]:

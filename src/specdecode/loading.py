@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import socket
@@ -92,15 +93,114 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+QUANTIZATIONS = ("nf4", "fp4", "int8")  # the target's, through bitsandbytes (--quantization)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none to read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def bnb_compute_dtype(device: torch.device) -> torch.dtype:
+    """What bitsandbytes' 4-bit layers compute in. On the CPU, bfloat16 where the CPU multiplies
+    it natively (AVX512-BF16 or AMX: bitsandbytes' fused 4-bit kernel then runs, and computes in
+    bfloat16 whatever it is given), else float32 (transformers' default, float16, is slow and
+    loses range there). On CUDA, bfloat16 where the GPU has it, else float16."""
+    if device.type == "cpu":
+        return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def check_bitsandbytes(device: torch.device) -> None:
+    """Raise InvalidArgumentError naming what is missing where bitsandbytes cannot run."""
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(
+            f"bitsandbytes quantization runs on the CPU or CUDA here, not on {device.type}", "quantization"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise InvalidArgumentError(
+            "--quantization needs the bitsandbytes package, which is not installed: pip install 'bitsandbytes>=0.50'",
+            "quantization",
+        )
+    if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise InvalidArgumentError(
+            "bitsandbytes on the CPU needs an x86 CPU with AVX2 (or AVX-512); this one has neither "
+            f"(torch reports {torch.backends.cpu.get_cpu_capability()}); leave --quantization out",
+            "quantization",
+        )
+    # on a CPU with AVX512-BF16 it logs, once, that it could not fetch a faster kernel from the
+    # Hub (the `kernels` package); its own native kernel runs instead, which is what was measured
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as error:  # a broken install: say why, not a traceback
+        raise InvalidArgumentError(
+            f"bitsandbytes is installed but does not import ({type(error).__name__}: {error})", "quantization"
+        ) from None
+
+
+def bnb_config(quantization: str, device: torch.device):
+    """transformers' BitsAndBytesConfig for nf4, fp4 (4-bit, blocks of 64) or int8 (LLM.int8)."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization not in QUANTIZATIONS:
+        raise InvalidArgumentError(
+            f"unknown quantization '{quantization}'; choose one of: {', '.join(QUANTIZATIONS)}", "quantization"
+        )
+    check_bitsandbytes(device)
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_compute_dtype=bnb_compute_dtype(device)
+    )
+
+
+def quantization_of(model: torch.nn.Module) -> str | None:
+    """ "nf4", "fp4" or "int8" for a model whose layers are bitsandbytes', else None."""
+    for module in model.modules():
+        kind = type(module).__name__
+        if type(module).__module__.startswith("bitsandbytes") and kind.startswith("Linear"):
+            if "8bit" in kind:
+                return "int8"
+            weight = getattr(module, "weight", None)
+            return getattr(weight, "quant_type", None) or "nf4"
+    return None
+
+
+def precision_of(model: torch.nn.Module) -> str:
+    """The model's precision in words: "float32", or "nf4 (bitsandbytes, bfloat16 compute), float32 elsewhere"."""
+    # transformers' dtype: its first floating-point weight's (bitsandbytes' packed weights are integers)
+    dtype = str(getattr(model, "dtype", None) or next(model.parameters()).dtype).removeprefix("torch.")
+    quantization = quantization_of(model)
+    if quantization is None:
+        return dtype
+    compute = next((m.compute_dtype for m in model.modules() if getattr(m, "compute_dtype", None) is not None), None)
+    detail = (
+        f", {str(compute).removeprefix('torch.')} compute" if compute is not None and quantization != "int8" else ""
+    )
+    return f"{quantization} (bitsandbytes{detail}), {dtype} elsewhere"
+
+
 def load_model(
     name: str,
     device: str = "auto",
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    quantization: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a short name, a folder, a .gguf file or a Hub id."""
+    """Load a causal LM and its tokenizer from a short name, a folder, a .gguf file or a Hub id.
+    quantization: "nf4", "fp4" or "int8" quantizes its linear layers with bitsandbytes as it loads
+    (the output head and embeddings stay in dtype), None keeps every weight in dtype."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    quantized = {}
+    if quantization is not None:
+        # bitsandbytes places the quantized weights itself: a model of them cannot be moved after
+        quantized = dict(quantization_config=bnb_config(quantization, torch_device), device_map={"": torch_device})
     source = _local_source(name)
     local_only = source is not None or not _hub_reachable()
     location = str(source) if source is not None else name
@@ -109,11 +209,42 @@ def load_model(
             location, trust_remote_code=trust_remote_code, local_files_only=local_only
         )
         model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=local_only
+            location,
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+            local_files_only=local_only,
+            **quantized,
         )
     except OSError as error:
         raise ModelNotFoundError(_not_found_message(name, local_only, error)) from error
-    return model.to(torch_device).eval(), tokenizer
+    except (RuntimeError, AssertionError) as error:
+        if not quantized:
+            raise
+        # e.g. bitsandbytes' CPU 4-bit layout wants output sizes that are multiples of 32
+        raise InvalidArgumentError(
+            f"bitsandbytes could not quantize '{name}' to {quantization}: {str(error).splitlines()[0]}",
+            "quantization",
+        ) from None
+    if quantized:
+        check_4bit_layout(model, name)
+    return (model if quantized else model.to(torch_device)).eval(), tokenizer
+
+
+def check_4bit_layout(model: torch.nn.Module, name: str = "the model") -> None:
+    """On a CPU with AVX512-BF16 bitsandbytes repacks 4-bit weights for its fused kernel at the
+    first forward, in blocks of 32 output rows; a layer of another size fails there, deep in a
+    forward. Say so at load time instead."""
+    import bitsandbytes as bnb
+
+    if not bnb.functional.has_avx512bf16():
+        return
+    for layer_name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit) and module.weight.device.type == "cpu" and module.out_features % 32:
+            raise InvalidArgumentError(
+                f"bitsandbytes cannot run '{name}' in 4 bits on this CPU: its fused kernel needs layers with a "
+                f"multiple of 32 outputs, and {layer_name} has {module.out_features}; use --quantization int8",
+                "quantization",
+            )
 
 
 def _local_source(name: str) -> Path | None:

@@ -20,6 +20,7 @@ class GenerationStats:
     drafted_by_source: dict[str, list[int]] = field(default_factory=dict)  # auto's candidate -> [drafted, accepted]
     wall_time_s: float = 0.0
     cached: bool = False  # answered from the response cache, without a forward
+    target_precision: str | None = None  # the target's weights: "float32", "nf4 (bitsandbytes, ...)" (engine.py)
 
     def __post_init__(self) -> None:
         self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens
@@ -71,4 +72,5 @@ class GenerationStats:
             f"histogram {dict(sorted(self.drafted_histogram.items()))}) | "
             f"acceptance {self.acceptance_rate:.0%} ({self.accepted_tokens}/{self.drafted_tokens}) | "
             f"{self.mean_accepted_length:.2f} tokens per target forward ({self.target_forwards} forwards)"
+            + (f" | target {self.target_precision}" if self.target_precision else "")
         )

@@ -13,7 +13,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
-from specdecode.drafters.self_quantized import self_quantized_drafter
+from specdecode.drafters.self_quantized import QUANTIZATIONS, self_quantized_drafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import InvalidArgumentError, VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary
@@ -33,8 +33,26 @@ class DrafterOptions:
     max_ngram: int = 3  # prompt lookup: longest n-gram matched, tried first
     max_continuation: int | None = None  # prompt lookup: most tokens copied per step (None: k)
     lookup_history: bool = False  # prompt lookup also searches earlier requests' text
-    quantization: str = "bfloat16"  # self-quantized: "bfloat16" or "int8" (weight-only)
+    # self-quantized only: "bfloat16", "int8" (weight-only), "nf4" or "fp4" (bitsandbytes); None: bfloat16
+    draft_quantization: str | None = None
     min_confidence: float = 0.0  # model drafters stop after a token they give less probability
+
+
+def check_drafter_options(name: str, options: DrafterOptions) -> None:
+    """An option that does not apply to the chosen drafter is an error, not silently ignored."""
+    if options.draft_quantization is None:
+        return
+    if name != "self-quantized":
+        raise InvalidArgumentError(
+            f"--draft-quantization applies to the self-quantized drafter only, not to '{name}' "
+            "(--quantization quantizes the target)",
+            "draft_quantization",
+        )
+    if options.draft_quantization not in QUANTIZATIONS:
+        raise InvalidArgumentError(
+            f"unknown draft quantization '{options.draft_quantization}'; choose one of: {', '.join(QUANTIZATIONS)}",
+            "draft_quantization",
+        )
 
 
 def check_drafter_name(name: str, draft: object) -> None:
@@ -59,6 +77,7 @@ def make_drafter(
     """The drafter `name` drafting for target (a runner with `.model`), draft loaded by `load`;
     store: the cross-request draft store, for `suffix` and `auto`."""
     check_drafter_name(name, draft)
+    check_drafter_options(name, options)
     if name == "none":
         return None
     lookup = PromptLookupDrafter(options.min_ngram, options.max_ngram, options.max_continuation, options.lookup_history)
@@ -69,7 +88,8 @@ def make_drafter(
             raise InvalidArgumentError("drafter 'suffix' needs the draft store: leave draft_store on", "drafter")
         return SuffixDrafter(store)
     if name == "self-quantized":
-        return self_quantized_drafter(target.model, options.quantization, options.min_confidence)
+        quantization = options.draft_quantization or "bfloat16"
+        return self_quantized_drafter(target.model, quantization, options.min_confidence)
     model_drafter = (
         _draft_model_drafter(name, draft, target, tokenizer, load, runner, options) if draft is not None else None
     )

@@ -3,7 +3,9 @@
 Same tokenizer and nearly the same distribution, so drafts are accepted often; exact,
 because the full-precision target verifies every token. It pays only where the low
 precision forward is cheaper than the full one (bfloat16 on AMX or GPUs, int8 with fused
-kernels); scripts in benchmarks/ measure that on the machine at hand.
+kernels); scripts in benchmarks/ measure that on the machine at hand. nf4 and fp4 are
+bitsandbytes' 4-bit copies (the layers `--quantization nf4` gives a target), run by
+transformers' runner.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters.model import ModelDrafter
 from specdecode.errors import InvalidArgumentError
+from specdecode.loading import bnb_compute_dtype, check_4bit_layout, check_bitsandbytes, quantization_of
 from specdecode.runners import HFModelRunner, fast_llama, runner_for
 from specdecode.runners.projection import projection
 
-QUANTIZATIONS = ("bfloat16", "int8")
+QUANTIZATIONS = ("bfloat16", "int8", "nf4", "fp4")  # --draft-quantization
+BNB_4BIT = ("nf4", "fp4")
 
 
 class Int8Linear(nn.Module):
@@ -33,10 +37,44 @@ class Int8Linear(nn.Module):
         return self.projection(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
+def bnb_4bit_linear(linear: nn.Linear, quant_type: str) -> nn.Module:
+    """bitsandbytes' Linear4bit holding linear's weight in quant_type, quantized as transformers'
+    BitsAndBytesConfig(load_in_4bit=True) quantizes it (blocks of 64, no double quantization)."""
+    import bitsandbytes as bnb
+
+    device = linear.weight.device
+    layer = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=bnb_compute_dtype(device),
+        compress_statistics=False,
+        quant_type=quant_type,
+        device="meta",
+    )
+    weight = linear.weight.detach().clone()
+    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=False, quant_type=quant_type)
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return layer.to(device)  # moving a Params4bit quantizes it
+
+
 def quantized_copy(model: PreTrainedModel, quantization: str) -> PreTrainedModel:
-    """A copy of model in bfloat16, or with every decoder Linear weight-only int8 (head kept)."""
+    """A copy of model in bfloat16, or with every decoder Linear weight-only int8 or bitsandbytes
+    nf4/fp4 (head kept, as transformers keeps it)."""
     if quantization not in QUANTIZATIONS:
-        raise InvalidArgumentError(f"unknown quantization '{quantization}'; choose one of: {', '.join(QUANTIZATIONS)}")
+        raise InvalidArgumentError(
+            f"unknown draft quantization '{quantization}'; choose one of: {', '.join(QUANTIZATIONS)}",
+            "draft_quantization",
+        )
+    if quantization_of(model) is not None:
+        raise InvalidArgumentError(
+            f"the target is already quantized (bitsandbytes {quantization_of(model)}); the self-quantized drafter "
+            "copies a float target: leave --quantization out, or pick another drafter",
+            "drafter",
+        )
+    if quantization in BNB_4BIT:
+        check_bitsandbytes(model.device)
     clone = copy.deepcopy(model)
     if quantization == "bfloat16":
         return clone.to(torch.bfloat16).eval()
@@ -44,17 +82,21 @@ def quantized_copy(model: PreTrainedModel, quantization: str) -> PreTrainedModel
     for parent in list(clone.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear) and child is not head:
-                setattr(parent, name, Int8Linear(child))
+                replacement = Int8Linear(child) if quantization == "int8" else bnb_4bit_linear(child, quantization)
+                setattr(parent, name, replacement)
+    if quantization in BNB_4BIT:
+        check_4bit_layout(clone)
     return clone.eval()
 
 
 def self_quantized_drafter(
     model: PreTrainedModel, quantization: str = "bfloat16", min_confidence: float = 0.0
 ) -> ModelDrafter:
-    if quantization == "int8" and fast_llama.supports(model):
+    if quantization_of(model) is None and quantization == "int8" and fast_llama.supports(model):
         runner = runner_for(model, quantization="int8")  # the fast path's own int8 products, no copy
-    elif quantization == "int8":
-        runner = HFModelRunner(quantized_copy(model, quantization))  # Int8Linear modules, through transformers
+    elif quantization in ("int8", *BNB_4BIT):
+        # Int8Linear or bitsandbytes modules, through transformers
+        runner = HFModelRunner(quantized_copy(model, quantization))
     else:
         runner = runner_for(quantized_copy(model, quantization))
     return ModelDrafter(runner, min_confidence, name=f"self-quantized-{quantization}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from specdecode.errors import InvalidArgumentError
+from specdecode.loading import quantization_of
 from specdecode.runners import fast_gpt2, fast_llama
 from specdecode.runners.base import ModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
@@ -14,9 +15,21 @@ RUNNERS = ("auto", "fast", "transformers")
 
 
 def runner_for(model: PreTrainedModel, runner: str = "auto", quantization: str | None = None) -> ModelRunner:
-    """The fastest runner that supports the model: a lean fast path where one applies, else transformers'."""
+    """The fastest runner that supports the model: a lean fast path where one applies, else transformers'.
+
+    A model quantized with bitsandbytes runs on transformers' runner: the fast paths read each
+    layer's weight as a plain matrix, and bitsandbytes' layers hold packed 4-bit or int8 codes
+    (README, "4-bit and 8-bit targets", has the measurement behind keeping it there)."""
     if runner not in RUNNERS:
         raise InvalidArgumentError(f"unknown runner '{runner}'; choose one of: {', '.join(RUNNERS)}")
+    bnb = quantization_of(model)
+    if bnb is not None:
+        if runner == "fast" or quantization is not None:
+            raise InvalidArgumentError(
+                f"this model's layers are bitsandbytes {bnb}: it runs on the transformers runner "
+                "(--runner auto or transformers), and cannot be quantized again"
+            )
+        return HFModelRunner(model)
     fast = _fast_runner_class(model) if runner != "transformers" else None
     if runner == "fast" and fast is None:
         raise InvalidArgumentError(

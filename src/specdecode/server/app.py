@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
@@ -29,6 +30,9 @@ from specdecode.server.metrics import ServerMetrics
 from specdecode.server.routes import ServerState, v1
 from specdecode.server.worker import EngineWorker
 
+if TYPE_CHECKING:
+    from specdecode.server.tracing import Tracing
+
 logger = logging.getLogger("specdecode.server")
 
 
@@ -43,6 +47,7 @@ def create_app(
     faults: StepHook | None = None,
     start_worker: bool = True,
     kv_cache_gb: float | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """An app serving `engine` as `model_name`; requests to /v1 need `api_key` when one is set.
 
@@ -55,10 +60,11 @@ def create_app(
     faults: a hook that fails engine steps on purpose (server/faults.py), for tests.
     start_worker: False when the caller runs `app.state.worker.run()` in a thread of its own
     (`specdecode serve` runs it in the main thread, which is faster).
+    tracing: OpenTelemetry spans of every request (server/tracing.py; None: off, at no cost).
     """
     if kv_cache_gb is not None:
         max_batch_size = batch_size_for_budget(engine, max_batch_size, kv_cache_gb)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name)
     worker = EngineWorker(engine, metrics, max_waiting, max_batch_size, max_request_seconds, faults)
 
     @asynccontextmanager
@@ -67,9 +73,11 @@ def create_app(
             worker.start()
         yield
         await asyncio.to_thread(worker.stop)
+        if tracing is not None:
+            await asyncio.to_thread(tracing.flush)
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
-    app.state.server = ServerState(engine, worker, metrics, model_name, api_key)
+    app.state.server = ServerState(engine, worker, metrics, model_name, api_key, tracing)
     app.state.worker, app.state.metrics = worker, metrics
     install_error_handlers(app, metrics)
 
@@ -79,6 +87,8 @@ def create_app(
 
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes, refuse=body_too_large)
     app.include_router(v1)
+    if tracing is not None:
+        tracing.instrument(app)
 
     @app.get("/health")
     async def health() -> PlainTextResponse:

@@ -1,21 +1,34 @@
 """Prometheus metrics of the server, named in vLLM's style (`specdecode:...`), so dashboards
-made for vLLM need few changes.
+made for vLLM need few changes, and the OpenTelemetry GenAI semantic conventions' server
+histograms (`gen_ai_server_*`, `gen_ai_client_token_usage`), named as OpenTelemetry's
+Prometheus exporter names them, so GenAI dashboards work too.
 
 Each app gets its own registry: several apps in one process (as in the tests) must not
-share counts or collide on names.
+share counts or collide on names. A quantity that both families measure (time to first
+token, time per output token) is observed once, by one method, into both.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specdecode.core.stats import GenerationStats
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_DRAFT_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+# the bucket boundaries the GenAI semantic conventions advise for each histogram
+_GEN_AI_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_GEN_AI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_GEN_AI_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+_GEN_AI_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+_GEN_AI = ["gen_ai_operation_name", "gen_ai_request_model"]  # gen_ai.operation.name, gen_ai.request.model
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "specdecode") -> None:
+        self.model_name = model_name  # gen_ai_request_model of the GenAI histograms
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests_running = Gauge("specdecode:num_requests_running", "Requests being generated now.", registry=r)
@@ -105,6 +118,94 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.drafted_per_position = Counter(
+            "specdecode:spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens proposed, by their position in the draft (0 = first): the denominator of acceptance by position.",
+            ["position"],
+            registry=r,
+        )
+        self.draft_length = Histogram(
+            "specdecode:spec_decode_draft_length",
+            "Tokens drafted per engine step of a sequence: the k the policy chose (0: no speculation that step).",
+            buckets=_DRAFT_LENGTH_BUCKETS,
+            registry=r,
+        )
+        # the GenAI semantic conventions' server metrics (gen_ai.server.*) and token usage
+        self.gen_ai_time_to_first_token = Histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "gen_ai.server.time_to_first_token: arrival to the first token (queue wait included).",
+            _GEN_AI,
+            buckets=_GEN_AI_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.gen_ai_time_per_output_token = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "gen_ai.server.time_per_output_token: seconds per generated token after the first.",
+            _GEN_AI,
+            buckets=_GEN_AI_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.gen_ai_request_duration = Histogram(
+            "gen_ai_server_request_duration_seconds",
+            "gen_ai.server.request.duration: arrival to the end of every request the engine took, "
+            "error_type set when it did not finish (the exception's class, or abort: the client left).",
+            _GEN_AI + ["error_type"],
+            buckets=_GEN_AI_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.gen_ai_token_usage = Histogram(
+            "gen_ai_client_token_usage",
+            "gen_ai.client.token.usage (the conventions' only token histogram): tokens per finished request, "
+            "by gen_ai_token_type (input: the prompt; output: generated).",
+            _GEN_AI + ["gen_ai_token_type"],
+            buckets=_GEN_AI_TOKEN_BUCKETS,
+            registry=r,
+        )
+
+        # every label value known up front exists from the first scrape, at 0: a series that
+        # first appears already counted would hide its first increase from rate()
+        for operation in ("chat", "text_completion"):
+            for histogram in (self.gen_ai_time_to_first_token, self.gen_ai_time_per_output_token):
+                histogram.labels(operation, model_name)
+            self.gen_ai_request_duration.labels(operation, model_name, "")
+            for token_type in ("input", "output"):
+                self.gen_ai_token_usage.labels(operation, model_name, token_type)
+        for reason in ("stop", "length", "abort"):
+            self.requests_finished.labels(reason)
+        for result in ("hit", "miss"):
+            self.response_cache.labels(result)
+
+    def expect(self, k_max: int, drafters: list[str]) -> None:
+        """Create the series of the draft positions and drafters the engine will use (at 0)."""
+        for position in range(k_max):
+            self.drafted_per_position.labels(str(position))
+            self.accepted_per_position.labels(str(position))
+        for name in drafters:
+            self.drafted_by_source.labels(name)
+            self.accepted_by_source.labels(name)
+
+    def observe_time_to_first_token(self, operation: str, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.gen_ai_time_to_first_token.labels(operation, self.model_name).observe(seconds)
+
+    def observe_time_per_output_token(self, operation: str, seconds: float) -> None:
+        self.time_per_output_token.observe(seconds)
+        self.gen_ai_time_per_output_token.labels(operation, self.model_name).observe(seconds)
+
+    def observe_request_end(self, operation: str, seconds: float, error_type: str = "") -> None:
+        """Once per request the engine took, whatever its outcome ("": finished)."""
+        self.gen_ai_request_duration.labels(operation, self.model_name, error_type).observe(seconds)
+
+    def observe_finished(self, operation: str, stats: GenerationStats, prompt_tokens: int, output_tokens: int) -> None:
+        """A finished request's tokens and what its steps drafted."""
+        self.gen_ai_token_usage.labels(operation, self.model_name, "input").observe(prompt_tokens)
+        self.gen_ai_token_usage.labels(operation, self.model_name, "output").observe(output_tokens)
+        for position, drafted in enumerate(stats.drafted_per_position):
+            if drafted:
+                self.drafted_per_position.labels(str(position)).inc(drafted)
+        for k, steps in stats.drafted_histogram.items():
+            for _ in range(steps):  # one observation per step (a few dozen per request)
+                self.draft_length.observe(k)
 
 
 def _ratio(a: float, b: float) -> float:

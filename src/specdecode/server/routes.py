@@ -10,6 +10,7 @@ import hmac
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
@@ -28,6 +29,9 @@ from specdecode.server.worker import (
     ShuttingDownError,
 )
 
+if TYPE_CHECKING:
+    from specdecode.server.tracing import Tracing
+
 MAX_CHOICES = 8  # n, choices per request
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 
@@ -41,6 +45,7 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     api_key: str | None
+    tracing: Tracing | None = None  # OpenTelemetry spans (tracing.py); None: off
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -172,9 +177,20 @@ def _generation_requests(
             state.engine.settings(checked_max_tokens, temperature, top_k, body.top_p, seed, stop or None, k)
         except SpecDecodeError as error:
             raise APIError(400, str(error), param=API_NAMES.get(error.param, error.param)) from None
+    operation = "chat" if isinstance(body, schemas.ChatCompletionRequest) else "text_completion"
     return [
         GenerationRequest(
-            prompt, max_tokens, temperature, body.top_p, top_k, seed, stop, k, templated=templated, stream=body.stream
+            prompt,
+            max_tokens,
+            temperature,
+            body.top_p,
+            top_k,
+            seed,
+            stop,
+            k,
+            templated=templated,
+            stream=body.stream,
+            operation=operation,
         )
         for seed in seeds
     ]
@@ -185,7 +201,8 @@ def _submit(state: ServerState, requests: list[GenerationRequest]) -> list[Reque
     handles = []
     try:
         for request in requests:
-            handles.append(state.worker.submit(request))
+            trace = state.tracing.start(state.model_name) if state.tracing is not None else None
+            handles.append(state.worker.submit(request, trace))
     except (QueueFullError, ShuttingDownError) as error:
         for handle in handles:
             handle.cancel()

@@ -71,6 +71,7 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None  # this request's most k (None: the engine's)
     templated: bool = False  # the prompt is a rendered chat template: its special tokens are in the text
     stream: bool = False  # publish the text as it is generated
+    operation: str = "text_completion"  # gen_ai.operation.name: "chat" or "text_completion"
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -78,11 +79,13 @@ class RequestHandle:
     """One request as the app sees it: its result (a Future), its text as it is generated
     (text_deltas, for streams), and `cancel` for a client that went away."""
 
-    def __init__(self, request: GenerationRequest, deadline: float):
+    def __init__(self, request: GenerationRequest, deadline: float, trace=None):
         self.request, self.deadline = request, deadline
+        self.trace = trace  # its spans (tracing.RequestTrace), ended from this thread; None: not traced
         self.future: Future[GenerationResult] = Future()
         self.cancelled = False
         self.crashes = 0
+        self.done = False  # its end recorded (metrics, spans): once, whichever way it ended
         self.first_token_at: float | None = None
         self.started_at: float | None = None
         self.streamed_chars = 0
@@ -134,6 +137,7 @@ class EngineWorker:
         backend = engine.cache_backend
         metrics.cache_backend_errors.set_function(lambda: backend.errors if backend is not None else 0)
         store = next((d.store for d in candidates_of(engine.drafter) if isinstance(d, SuffixDrafter)), None)
+        metrics.expect(engine.num_speculative_tokens, [d.name for d in candidates_of(engine.drafter)])
         metrics.draft_store_tokens.set_function(lambda: len(store) if store is not None else 0)
 
     def start(self) -> None:
@@ -177,8 +181,8 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._running.is_set()
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        handle = RequestHandle(request, request.arrival + self.max_request_seconds)
+    def submit(self, request: GenerationRequest, trace=None) -> RequestHandle:
+        handle = RequestHandle(request, request.arrival + self.max_request_seconds, trace)
         with self._submit_lock:  # check and put together, so the bound holds under concurrent submits
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down; send the request to another instance")
@@ -244,7 +248,9 @@ class EngineWorker:
             return False
         seq.stats.wall_time_s = time.perf_counter() - seq.tag.started_at
         seq.tag.first_token_at = time.perf_counter()
-        self.metrics.time_to_first_token.observe(seq.tag.first_token_at - seq.tag.request.arrival)
+        self.metrics.observe_time_to_first_token(
+            seq.tag.request.operation, seq.tag.first_token_at - seq.tag.request.arrival
+        )
         self._finish(seq.tag, result)
         return True
 
@@ -309,7 +315,7 @@ class EngineWorker:
             handle = seq.tag
             if tokens and handle.first_token_at is None:
                 handle.first_token_at = now
-                self.metrics.time_to_first_token.observe(now - handle.request.arrival)
+                self.metrics.observe_time_to_first_token(handle.request.operation, now - handle.request.arrival)
             if seq.finish is not None:
                 self._complete(seq)
             elif handle.request.stream and tokens:
@@ -337,10 +343,12 @@ class EngineWorker:
             return
         self._resolve(handle, result)
 
-    @staticmethod
-    def _resolve(handle: RequestHandle, result: GenerationResult | None = None, error: BaseException | None = None):
+    def _resolve(
+        self, handle: RequestHandle, result: GenerationResult | None = None, error: BaseException | None = None
+    ):
         """Answer the request once, whatever its client did meanwhile: a client that hung up
         has cancelled the Future, and setting it then must not crash the engine loop."""
+        self._ended(handle, result, error)
         try:
             if error is None:
                 handle.future.set_result(result)
@@ -365,14 +373,29 @@ class EngineWorker:
 
     def _end(self, handle: RequestHandle, reason: str) -> None:
         self.metrics.requests_finished.labels(reason).inc()
+        self._ended(handle, aborted=True)
         handle.future.cancel()
         handle.publish(None)
+
+    def _ended(self, handle: RequestHandle, result=None, error: BaseException | None = None, aborted=False) -> None:
+        """Before its client hears of it: the request's duration, and its spans when traced."""
+        if handle.done:
+            return
+        handle.done = True
+        failure = "abort" if aborted else "" if error is None else type(error).__name__
+        self.metrics.observe_request_end(
+            handle.request.operation, time.perf_counter() - handle.request.arrival, failure
+        )
+        if handle.trace is not None:
+            handle.trace.end(handle, result, error, aborted)
 
     def _record(self, handle: RequestHandle, result: GenerationResult) -> None:
         m, stats, now = self.metrics, result.stats, time.perf_counter()
         m.e2e_latency.observe(now - handle.request.arrival)
+        operation = handle.request.operation
         if len(result.token_ids) > 1:  # the tokens after the first, as vLLM counts it
-            m.time_per_output_token.observe((now - handle.first_token_at) / (len(result.token_ids) - 1))
+            m.observe_time_per_output_token(operation, (now - handle.first_token_at) / (len(result.token_ids) - 1))
+        m.observe_finished(operation, stats, len(result.prompt_token_ids), len(result.token_ids))
         m.prompt_tokens.inc(len(result.prompt_token_ids))
         m.generation_tokens.inc(len(result.token_ids))
         m.draft_tokens.inc(stats.drafted_tokens)

@@ -1,0 +1,121 @@
+"""Offline generation of a JSONL file in the OpenAI Batch API format (`specdecode batch`), as
+`vllm run-batch` reads it.
+
+Each input line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+"/v1/completions", "body": {...}}`; each output line `{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}`, the body exactly what `specdecode serve`
+answers, because the lines are sent to the same app, in process, several at a time so that
+continuous batching decodes them together. A line that is not a request gets an output line
+with its error, never a crash. Resumable: a rerun skips the custom_ids already in the output
+and appends the rest, so every input line appears in the output exactly once, with its id.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from specdecode.errors import InvalidArgumentError
+
+URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+def read_requests(path: Path) -> list[dict]:
+    """Every line of the input, as a request or as an error for it; a duplicate id is an error
+    of the whole file (its lines could not be told apart in the output)."""
+    lines, seen = [], set()
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        line = _parse(text, number)
+        if line["custom_id"] in seen:
+            raise InvalidArgumentError(
+                f"{path}:{number}: custom_id '{line['custom_id']}' appears twice; ids must be unique"
+            )
+        seen.add(line["custom_id"])
+        lines.append(line)
+    return lines
+
+
+def done_ids(path: Path) -> set[str]:
+    """The custom_ids already answered in an output file (a half-written last line is ignored)."""
+    if not path.exists():
+        return set()
+    ids = set()
+    for text in path.read_text().splitlines():
+        try:
+            ids.add(json.loads(text)["custom_id"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return ids
+
+
+def run_batch(
+    app: FastAPI, lines: list[dict], output: Path, concurrency: int, on_done: Callable[[], None] = lambda: None
+) -> int:
+    """Answer every line not yet in output, appending one output line each; the number answered."""
+    todo = [line for line in lines if line["custom_id"] not in done_ids(output)]
+    _drop_partial_line(output)
+    lock = threading.Lock()
+    with TestClient(app) as client, output.open("a") as out, ThreadPoolExecutor(concurrency) as pool:
+
+        def answer(line: dict) -> None:
+            record = _answer(client, line)
+            with lock:
+                out.write(json.dumps(record) + "\n")
+                out.flush()  # a killed run keeps every line written so far
+            on_done()
+
+        list(pool.map(answer, todo))
+    return len(todo)
+
+
+def _drop_partial_line(path: Path) -> None:
+    """A run killed mid-write leaves half a line: cut it, so appended lines start clean."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def _answer(client: TestClient, line: dict) -> dict:
+    record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"], "response": None, "error": None}
+    if "error" in line:
+        record["error"] = line["error"]
+        return record
+    response = client.post(line["url"], json=line["body"])
+    record["response"] = {"status_code": response.status_code, "request_id": record["id"], "body": response.json()}
+    return record
+
+
+def _parse(text: str, number: int) -> dict:
+    try:
+        line = json.loads(text)
+    except ValueError as error:
+        return {"custom_id": f"line-{number}", "error": {"code": "invalid_json", "message": f"line {number}: {error}"}}
+    if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str):
+        message = f"line {number}: needs a string custom_id"
+        return {"custom_id": f"line-{number}", "error": {"code": "invalid_request", "message": message}}
+    problem = (
+        "method must be POST"
+        if line.get("method") != "POST"
+        else f"url must be one of {', '.join(URLS)}"
+        if line.get("url") not in URLS
+        else "body must be an object"
+        if not isinstance(line.get("body"), dict)
+        else None
+    )
+    if problem is not None:
+        return {
+            "custom_id": line["custom_id"],
+            "error": {"code": "invalid_request", "message": f"line {number}: {problem}"},
+        }
+    return line

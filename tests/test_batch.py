@@ -1,0 +1,72 @@
+"""`specdecode batch`: the OpenAI Batch API format, answered in process as the server answers,
+every line exactly once, resumable after a run that stopped part-way."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from specdecode import SpeculativeEngine
+from specdecode.cli import app as cli_app
+
+
+def lines(model: str) -> list[dict]:
+    completion = {"model": model, "prompt": "w1 w2 w3 w1", "max_tokens": 6, "temperature": 0}
+    chat = {"model": model, "messages": [{"role": "user", "content": "w4 w5 w4"}], "max_tokens": 5, "temperature": 0}
+    return [
+        {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": completion},
+        {"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        {"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": completion | {"prompt": "w7 w8"}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": completion},
+        {"custom_id": "bad-value", "method": "POST", "url": "/v1/completions", "body": completion | {"max_tokens": 0}},
+    ]
+
+
+def run(tmp_path, model_dir: str, output):
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(json.dumps(line) for line in lines(model_dir)) + "\n{not json\n")
+    args = ["batch", str(source), "--output", str(output), "--target", model_dir, "--concurrency", "3"]
+    return CliRunner().invoke(cli_app, args)
+
+
+def test_every_line_is_answered_once_as_the_server_would(tmp_path, tiny_model_dir):
+    output = tmp_path / "out.jsonl"
+    result = run(tmp_path, tiny_model_dir, output)
+    assert result.exit_code == 0, result.output
+    records = {r["custom_id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    assert sorted(records) == ["bad-url", "bad-value", "c1", "c2", "c3", "line-6"]
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    expected = engine.generate("w1 w2 w3 w1", max_new_tokens=6)[0]
+    body = records["c1"]["response"]["body"]
+    assert records["c1"]["response"]["status_code"] == 200 and body["choices"][0]["text"] == expected.text
+    assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+    assert records["c2"]["response"]["body"]["object"] == "chat.completion"
+    assert records["bad-value"]["response"]["status_code"] == 400
+    assert records["bad-value"]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert records["bad-url"]["error"]["code"] == "invalid_request" and records["bad-url"]["response"] is None
+    assert records["line-6"]["error"]["code"] == "invalid_json"
+
+
+def test_a_rerun_answers_only_what_is_missing(tmp_path, tiny_model_dir):
+    output = tmp_path / "out.jsonl"
+    assert run(tmp_path, tiny_model_dir, output).exit_code == 0
+    kept = output.read_text().splitlines()[:2]
+    output.write_text("\n".join(kept) + '\n{"custom_id": "c')  # a run killed mid-write
+    result = run(tmp_path, tiny_model_dir, output)
+    assert result.exit_code == 0 and "4 answered" in result.output
+    ids = [json.loads(text)["custom_id"] for text in output.read_text().splitlines() if text.startswith('{"id"')]
+    assert sorted(ids) == ["bad-url", "bad-value", "c1", "c2", "c3", "line-6"]  # each exactly once
+    again = run(tmp_path, tiny_model_dir, output)
+    assert again.exit_code == 0 and "0 answered" in again.output
+
+
+def test_bad_batch_input_exits_2_with_one_line(tmp_path, tiny_model_dir):
+    missing = CliRunner().invoke(cli_app, ["batch", str(tmp_path / "none.jsonl"), "--output", str(tmp_path / "o")])
+    assert missing.exit_code == 2 and "no input file" in missing.output
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("\n".join(json.dumps(line) for line in lines(tiny_model_dir)[:1] * 2))
+    result = CliRunner().invoke(
+        cli_app, ["batch", str(twice), "--output", str(tmp_path / "o"), "--target", tiny_model_dir]
+    )
+    assert result.exit_code == 2 and "appears twice" in result.output
