@@ -413,3 +413,13 @@ def bnb_llama(seed: int, vocab_size: int = VOCAB, init: float = 0.3) -> LlamaFor
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def healthy(url: str) -> bool:
+    """Whether a server at url (http://HOST:PORT) answers /health with 200 yet."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

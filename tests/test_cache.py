@@ -24,6 +24,7 @@ from helpers import (
     exact_joint,
     free_port,
     g_test_pvalue,
+    healthy,
     hf_greedy,
     metric,
     redis_server,
@@ -283,7 +284,7 @@ def test_serve_with_an_unreachable_redis_warns_and_serves(tiny_model_dir):
     command += ["--cache-url", f"redis://127.0.0.1:{free_port()}/0"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: _health(f"http://127.0.0.1:{port}"), timeout=60)
+        wait_for(lambda: healthy(f"http://127.0.0.1:{port}"), timeout=60)
         answer = _client(f"http://127.0.0.1:{port}").completions.create(
             model=tiny_model_dir, prompt="w1 w2 w3", max_tokens=4, temperature=0
         )
@@ -296,10 +297,3 @@ def test_serve_with_an_unreachable_redis_warns_and_serves(tiny_model_dir):
 
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-def _health(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

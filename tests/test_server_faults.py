@@ -18,7 +18,7 @@ import pytest
 
 from helpers import SERVED_MODEL as MODEL
 from helpers import SERVER_PROMPT as PROMPT
-from helpers import CrashAt, Gate, metric, serving, wait_for
+from helpers import CrashAt, Gate, healthy, metric, serving, wait_for
 from specdecode import SpeculativeEngine
 from specdecode.server import create_app
 from specdecode.server.faults import RandomFaults
@@ -212,7 +212,7 @@ def test_a_second_sigint_stops_the_server_at_once(tiny_model_dir):
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _answers(f"{url}/health"), timeout=60)
+        wait_for(lambda: healthy(url), timeout=60)
         body = {"model": tiny_model_dir, "prompt": LONG_RUNNING, "max_tokens": 100, "temperature": 0}
         with ThreadPoolExecutor(3) as pool:
             held = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60) for _ in range(3)]
@@ -226,30 +226,3 @@ def test_a_second_sigint_stops_the_server_at_once(tiny_model_dir):
     finally:
         server.kill()
         server.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def test_faults_inside_the_transformers_runners_forward_are_rolled_back(tiny_model_dir, expected):
-    """A failure part-way through transformers' forward (after some layers cached the new
-    tokens): the retried step runs on a cache rolled back to its real length, so every answer
-    is still exactly the greedy one."""
-    engine = SpeculativeEngine.from_pretrained(tiny_model_dir, runner="transformers")
-    calls = {"n": 0}
-
-    def fail_now_and_then(module, args):
-        calls["n"] += 1
-        if calls["n"] % 4 == 0:
-            raise RuntimeError("injected fault inside the forward")
-
-    engine.target_runner.model.model.layers[1].register_forward_pre_hook(fail_now_and_then)
-    with serving(create_app(engine, model_name=MODEL)) as url:
-        client = new_client(url)
-        with ThreadPoolExecutor(4) as pool:
-            assert list(pool.map(lambda p: greedy(client, p), PROMPTS)) == [expected[p] for p in PROMPTS]
-        assert metric(httpx.get(f"{url}/metrics").text, "specdecode:engine_step_retries_total") > 0
