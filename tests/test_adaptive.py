@@ -1,6 +1,7 @@
 """Adaptive k: the cost model, the choice of k, and that it never changes the output."""
 
 import math
+import time
 
 import pytest
 
@@ -64,6 +65,26 @@ def test_policy_switches_back_on_when_probes_succeed():
     for _ in range(10):
         policy.record_verdict(1, 1)
     assert policy.choose(4) > 0
+
+
+def test_the_first_forward_of_each_size_is_not_taken_for_its_cost():
+    """A cold first forward of a new shape (kernel choice and packing) once made `make run` choose
+    k = 0 for good; here every size's first forward is slowed by 0.3 s, and none of it is kept."""
+    engine = SpeculativeEngine(tiny_llama(seed=1), drafter=PromptLookupDrafter(), num_speculative_tokens=4)
+    slots, seen = engine.decoder.slots, set()
+    forward = slots.forward
+
+    def cold_first(slot_ids, new_tokens, num_logits):
+        size = sum(len(t) for t in new_tokens)
+        if size not in seen:
+            seen.add(size)
+            time.sleep(0.3)
+        return forward(slot_ids, new_tokens, num_logits)
+
+    slots.forward = cold_first
+    engine.generate([PROMPTS[0] * 3], max_new_tokens=40)
+    assert len(seen) > 2 and engine.decoder.costs.seconds  # several sizes ran, some twice
+    assert max(engine.decoder.costs.seconds.values()) < 0.1
 
 
 @pytest.mark.parametrize("family", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])

@@ -88,6 +88,7 @@ class Decoder:
         self.adaptive = adaptive
         self.capacity = 1  # most sequences active at once
         self.costs = StepCosts()  # seconds of a verification forward, by the tokens in it (all sequences)
+        self._sizes_run: set[int] = set()  # forward sizes run at least once (see _record_cost)
         self.policies: dict[str, AdaptiveK] = {}  # drafter name -> its acceptance, pooled over sequences
         self.active: list[Sequence] = []
 
@@ -141,7 +142,7 @@ class Decoder:
                 seq.generator.set_state(state)  # a retried step draws the same numbers
             raise
         if not any(seq.prefilling for seq in sequences):  # a decoding step's cost, for adaptive k
-            self.costs.record(forward_tokens, time.perf_counter() - start)
+            self._record_cost(forward_tokens, time.perf_counter() - start)
         return [
             (seq, self._commit(seq, d, decision)) for seq, d, decision in zip(sequences, drafts, decisions, strict=True)
         ]
@@ -210,6 +211,14 @@ class Decoder:
             emitted = emitted[: max(0, len(emitted) - cut)]  # a stop string may end in an earlier step's tokens
             seq.stats.generated_tokens = len(seq.generated)
         return emitted
+
+    def _record_cost(self, tokens: int, seconds: float) -> None:
+        # The first forward of a size pays one-time costs (oneDNN and MKL choose and pack kernels
+        # for the new shape; measured here: 69 ms for 5 tokens, about 50 later): recorded, it
+        # would make drafting look dear, and k = 0 chosen from it would never time that size again.
+        if tokens in self._sizes_run:
+            self.costs.record(tokens, seconds)
+        self._sizes_run.add(tokens)
 
     def _policy(self, name: str) -> AdaptiveK:
         if name not in self.policies:
