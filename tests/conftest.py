@@ -19,5 +19,18 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def ray_address():
+    """A real local Ray cluster of this machine's 2 CPUs, started once for the test session
+    (in the xdist worker that runs the `ray` group) and stopped at its end; the address that
+    `--ray-address` takes. The test process is its driver, so tests can use Ray's own API."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # two workers share the two cores; tiny models gain nothing from more

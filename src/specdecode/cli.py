@@ -52,6 +52,17 @@ ResponseCacheOption = Annotated[
 ]
 DraftStoreOption = Annotated[bool, typer.Option(help="Earlier requests' text drafts (drafters suffix and auto).")]
 CacheMaxMbOption = Annotated[int, typer.Option(help="Memory of the in-process cache, in MB.")]
+RayOption = Annotated[
+    bool, typer.Option("--ray", help="Run on Ray: replicas of the engine (pip install specdecode[ray]).")
+]
+RayAddressOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="A Ray cluster to join (HOST:PORT, or auto for one on this node); implies --ray \\[default: start one here]."
+    ),
+]
+ReplicasOption = Annotated[int, typer.Option(help="With --ray: engine replicas, each with its own model.")]
+ReplicaCpusOption = Annotated[float, typer.Option(help="With --ray: CPUs per replica (and its torch threads).")]
 
 
 @contextmanager
@@ -385,10 +396,24 @@ def serve(
             help="Print OpenTelemetry spans to the console (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT).",
         ),
     ] = False,
+    ray: RayOption = False,
+    ray_address: RayAddressOption = None,
+    replicas: ReplicasOption = 1,
+    replica_cpus: ReplicaCpusOption = 1.0,
+    min_replicas: Annotated[
+        Optional[int], typer.Option(help="With --ray: autoscale, down to this many replicas.")
+    ] = None,
+    max_replicas: Annotated[
+        Optional[int], typer.Option(help="With --ray: autoscale, up to this many replicas.")
+    ] = None,
+    target_ongoing_requests: Annotated[
+        Optional[float], typer.Option(help="With --ray and autoscaling: requests per replica the autoscaler aims for.")
+    ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    from specdecode.engine import CacheOptions, SpeculativeEngine
-    from specdecode.server import create_app, run_server
+    from specdecode.engine import CacheOptions
+    from specdecode.server import run_server
+    from specdecode.server.spec import ServerSpec
 
     with user_errors():
         if not 0 < port < 65536:
@@ -401,53 +426,65 @@ def serve(
         if kv_cache_gb is not None and not kv_cache_gb > 0:
             raise InvalidArgumentError(f"--kv-cache-gb must be positive, got {kv_cache_gb}")
         _check_max_model_len(max_model_len)
+        # a Redis that does not answer yet is not fatal here: the server starts on its own cache
+        cache = CacheOptions(cache_url, response_cache, draft_store, cache_max_mb)
+        spec = ServerSpec(
+            target, draft, drafter, k, device, dtype, max_model_len, quantization, cache, api_key, max_waiting,
+            max_batch_size, max_request_seconds, kv_cache_gb, otel_console,
+        )  # fmt: skip
+        if ray or ray_address:
+            if inject_faults:
+                raise InvalidArgumentError("--inject-faults is for the single-process server; drop it or --ray")
+            scaling = _scaling(replicas, replica_cpus, min_replicas, max_replicas, target_ongoing_requests)
+            _serve_on_ray(spec, scaling, ray_address, host, port)
+            return
         faults = _fault_injector(inject_faults) if inject_faults else None
-        tracing = _tracing(otel_console)
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
-            # a Redis that does not answer yet is not fatal here: the server starts on its own cache
-            cache = CacheOptions(cache_url, response_cache, draft_store, cache_max_mb)
-            engine = SpeculativeEngine.from_pretrained(
-                target,
-                draft,
-                drafter,
-                k,
-                device,
-                dtype,
-                max_model_len=max_model_len,
-                cache=cache,
-                quantization=quantization,
-            )
+            engine = spec.engine()
             if cache_url is not None and not engine.cache_backend.ping():  # not fatal: it may come up later
                 stderr.print(f"warning: no Redis answers at {cache_url}; caching in this process until one does")
-        server_app = create_app(
-            engine,
-            target,
-            api_key,
-            max_waiting,
-            max_batch_size=max_batch_size,
-            max_request_seconds=max_request_seconds,
-            faults=faults,
-            start_worker=False,
-            kv_cache_gb=kv_cache_gb,
-            tracing=tracing,
-        )
+        server_app = spec.app(engine, start_worker=False, faults=faults)
     sizes = f"max_model_len {engine.max_model_len}, up to {server_app.state.worker.decoder.capacity} requests at once"
     stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes})" + (" (API key required)" if api_key else ""))
     with user_errors():
         run_server(server_app, host, port)
 
 
-def _tracing(console: bool):
-    """OpenTelemetry tracing as the OTEL_* variables ask, and to the console with --otel-console;
-    None (off: the SDK is not even imported) when neither."""
-    import os
+def _scaling(replicas: int, replica_cpus: float, min_replicas, max_replicas, target_ongoing_requests):
+    from specdecode.server.ray_cluster import check_replicas, require_ray
 
-    otel = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    if not console and not any(os.environ.get(name) for name in otel):
-        return None
-    from specdecode.server.tracing import from_environment
+    check_replicas(replicas, replica_cpus)
+    if min_replicas is not None and min_replicas < 0:
+        raise InvalidArgumentError(f"--min-replicas must be at least 0, got {min_replicas}")
+    if max_replicas is not None and max_replicas < 1:
+        raise InvalidArgumentError(f"--max-replicas must be at least 1, got {max_replicas}")
+    if min_replicas is not None and max_replicas is not None and min_replicas > max_replicas:
+        raise InvalidArgumentError(f"--min-replicas {min_replicas} is more than --max-replicas {max_replicas}")
+    if target_ongoing_requests is not None and not target_ongoing_requests > 0:
+        raise InvalidArgumentError(f"--target-ongoing-requests must be positive, got {target_ongoing_requests}")
+    require_ray()
+    from specdecode.server.ray_serve import Scaling
 
-    return from_environment(console)
+    return Scaling(replicas, replica_cpus, min_replicas, max_replicas, target_ongoing_requests)
+
+
+def _serve_on_ray(spec, scaling, address: str | None, host: str, port: int) -> None:
+    from specdecode.server import ray_cluster, ray_serve
+
+    ray_cluster.connect(address)
+    ray_cluster.check_fits(scaling.most_replicas, scaling.replica_cpus)
+    status = stderr.status(f"Starting {scaling.replicas} replicas of {spec.target} on Ray")
+    status.start()
+
+    def ready() -> None:
+        status.stop()
+        key = " (API key required)" if spec.api_key else ""
+        stderr.print(f"serving {spec.target} on http://{host}:{port}/v1 with {scaling.replicas} Ray replicas{key}")
+
+    try:
+        ray_serve.serve_until_signalled(spec, scaling, host, port, ready)
+    finally:
+        status.stop()
 
 
 def _fault_injector(spec: str):
@@ -523,15 +560,18 @@ def batch(
     concurrency: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 8,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    ray: RayOption = False,
+    ray_address: RayAddressOption = None,
+    replicas: ReplicasOption = 1,
+    replica_cpus: ReplicaCpusOption = 1.0,
 ) -> None:
     """Answer a JSONL file of completions and chat requests offline, as `specdecode serve` would."""
     from pathlib import Path
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from specdecode.engine import SpeculativeEngine
-    from specdecode.server import create_app
     from specdecode.server.batch import done_ids, read_requests, run_batch
+    from specdecode.server.spec import ServerSpec
 
     with user_errors():
         source, destination = Path(input), Path(output)
@@ -539,15 +579,31 @@ def batch(
             raise InvalidArgumentError(f"no input file at {input}")
         if concurrency < 1:
             raise InvalidArgumentError(f"--concurrency must be at least 1, got {concurrency}")
+        on_ray = ray or ray_address is not None
+        if on_ray:
+            from specdecode.server import ray_cluster
+
+            ray_cluster.check_replicas(replicas, replica_cpus)
         lines = read_requests(source)
         left = len([line for line in lines if line["custom_id"] not in done_ids(destination)])
-        with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
-            engine = SpeculativeEngine.from_pretrained(target, draft, drafter, k, device, dtype)
-        server_app = create_app(engine, target, max_batch_size=concurrency, max_waiting=max(64, concurrency))
+        spec = ServerSpec(target, draft, drafter, k, device, dtype).with_batch_size(concurrency)
         columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=stderr) as progress:
-            task = progress.add_task(f"{len(lines) - left} of {len(lines)} done before", total=left)
-            answered = run_batch(server_app, lines, destination, concurrency, lambda: progress.advance(task))
+        if on_ray:
+            ray_cluster.connect(ray_address)
+            ray_cluster.check_fits(replicas, replica_cpus)
+            from specdecode.server.ray_batch import run_batch_on_ray
+
+            with Progress(*columns, console=stderr) as progress:
+                task = progress.add_task(f"{replicas} Ray actors; {len(lines) - left} done before", total=left)
+                answered = run_batch_on_ray(
+                    spec, lines, destination, replicas, replica_cpus, lambda: progress.advance(task)
+                )
+        else:
+            with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
+                server_app = spec.app()
+            with Progress(*columns, console=stderr) as progress:
+                task = progress.add_task(f"{len(lines) - left} of {len(lines)} done before", total=left)
+                answered = run_batch(server_app, lines, destination, concurrency, lambda: progress.advance(task))
     stderr.print(f"{answered} answered, {len(lines) - answered} already in {output}")
 
 

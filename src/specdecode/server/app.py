@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,7 @@ def create_app(
     start_worker: bool = True,
     kv_cache_gb: float | None = None,
     tracing: Tracing | None = None,
+    metrics_text: Callable[[], Awaitable[bytes]] | None = None,
 ) -> FastAPI:
     """An app serving `engine` as `model_name`; requests to /v1 need `api_key` when one is set.
 
@@ -61,6 +62,8 @@ def create_app(
     start_worker: False when the caller runs `app.state.worker.run()` in a thread of its own
     (`specdecode serve` runs it in the main thread, which is faster).
     tracing: OpenTelemetry spans of every request (server/tracing.py; None: off, at no cost).
+    metrics_text: what /metrics answers (default: this app's own metrics); a Ray replica
+    answers every replica's (ray_serve.py).
     """
     if kv_cache_gb is not None:
         max_batch_size = batch_size_for_budget(engine, max_batch_size, kv_cache_gb)
@@ -96,9 +99,12 @@ def create_app(
         alive = worker.alive
         return PlainTextResponse("ok" if alive else "engine thread stopped", status_code=200 if alive else 503)
 
+    async def own_metrics() -> bytes:
+        return generate_latest(metrics.registry)
+
     @app.get("/metrics")
     async def prometheus_metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(await (metrics_text or own_metrics)(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -13,10 +13,9 @@ and appends the rest, so every input line appears in the output exactly once, wi
 from __future__ import annotations
 
 import json
-import threading
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -60,20 +59,29 @@ def done_ids(path: Path) -> set[str]:
 def run_batch(
     app: FastAPI, lines: list[dict], output: Path, concurrency: int, on_done: Callable[[], None] = lambda: None
 ) -> int:
-    """Answer every line not yet in output, appending one output line each; the number answered."""
+    """Answer every line not yet in output with app, in this process, `concurrency` at a time;
+    the number answered. (On a Ray cluster: ray_batch.run_batch_on_ray.)"""
+    with TestClient(app) as client, ThreadPoolExecutor(concurrency) as pool:
+
+        def answers(todo: list[dict]) -> Iterator[dict]:
+            for future in as_completed([pool.submit(answer, client, line) for line in todo]):
+                yield future.result()
+
+        return write_answers(lines, output, answers, on_done)
+
+
+def write_answers(
+    lines: list[dict], output: Path, answers: Callable[[list[dict]], Iterable[dict]], on_done: Callable[[], None]
+) -> int:
+    """Append to output an answer for every line not yet in it, as `answers(todo)` yields them
+    (in any order: each carries its custom_id); the number answered."""
     todo = [line for line in lines if line["custom_id"] not in done_ids(output)]
     _drop_partial_line(output)
-    lock = threading.Lock()
-    with TestClient(app) as client, output.open("a") as out, ThreadPoolExecutor(concurrency) as pool:
-
-        def answer(line: dict) -> None:
-            record = _answer(client, line)
-            with lock:
-                out.write(json.dumps(record) + "\n")
-                out.flush()  # a killed run keeps every line written so far
+    with output.open("a") as out:
+        for record in answers(todo):
+            out.write(json.dumps(record) + "\n")
+            out.flush()  # a killed run keeps every line written so far
             on_done()
-
-        list(pool.map(answer, todo))
     return len(todo)
 
 
@@ -86,7 +94,8 @@ def _drop_partial_line(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-def _answer(client: TestClient, line: dict) -> dict:
+def answer(client: TestClient, line: dict) -> dict:
+    """The output line for one input line, answered by the app behind client."""
     record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"], "response": None, "error": None}
     if "error" in line:
         record["error"] = line["error"]
