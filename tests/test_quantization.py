@@ -6,6 +6,7 @@ import copy
 import bitsandbytes as bnb
 import pytest
 import torch
+from transformers import DynamicCache
 
 from helpers import (
     ALPHA,
@@ -29,6 +30,7 @@ from specdecode.loading import load_model, precision_of, quantization_of
 from specdecode.runners import CachedSequence, HFModelRunner, runner_for
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.projection import projection
+from specdecode.runners.rowwise import rowwise_sdpa, verifying
 
 
 def test_int8_rounding_error_is_at_most_half_a_step():
@@ -223,3 +225,67 @@ def test_a_model_bitsandbytes_cannot_lay_out_is_a_clear_error(tmp_path):
         quantized(tiny_llama(seed=0), "nf4", tmp_path)  # key/value projections of 16 outputs
     with pytest.raises(ValueError, match="multiple of 32 outputs"):
         self_quantized_drafter(tiny_llama(seed=0), "nf4")
+
+
+def hidden_rows(model, prompt: list[int], new: list[int], together: bool) -> torch.Tensor:
+    """The last layer's hidden states of `new` after `prompt`: in one forward, run as
+    transformers' runner runs a verification, or one forward per token."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        if together:
+            with verifying():
+                outs = [model(torch.tensor([new]), past_key_values=cache, output_hidden_states=True)]
+        else:
+            outs = [model(torch.tensor([[t]]), past_key_values=cache, output_hidden_states=True) for t in new]
+    return torch.cat([o.hidden_states[-1][0] for o in outs])
+
+
+@pytest.mark.parametrize("quantization", BNB)
+def test_a_verification_forward_over_a_quantized_model_gives_each_row_its_one_token_bits(quantization, tmp_path):
+    """bitsandbytes rounds layer inputs to bfloat16, so row-dependent rounding elsewhere became
+    whole bfloat16 steps between verified rows and one-token decoding (0.22 logits on the
+    default model in nf4), and LLM.int8 treats a column as an outlier if any row has one."""
+    qmodel = quantized(bnb_llama(seed=2), quantization, tmp_path)
+    prompt, new = [3, 5, 7, 2, 9, 1, 12], [11, 4, 6, 8, 10]
+    HFModelRunner(qmodel)  # makes its rows exact
+    assert torch.equal(hidden_rows(qmodel, prompt, new, True), hidden_rows(qmodel, prompt, new, False))
+
+
+def test_int8_layers_depend_on_their_neighbours_outside_verification(tmp_path):
+    """The negative control of the int8 case above: the same forward, not marked as a verification."""
+    qmodel = quantized(bnb_llama(seed=2), "int8", tmp_path)
+    HFModelRunner(qmodel)
+    prompt, new = [3, 5, 7, 2, 9, 1, 12], [11, 4, 6, 8, 10]
+    cache = DynamicCache(config=qmodel.config)
+    with torch.inference_mode():
+        qmodel(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        together = qmodel(torch.tensor([new]), past_key_values=cache, output_hidden_states=True).hidden_states[-1][0]
+    assert not torch.equal(together, hidden_rows(qmodel, prompt, new, False))
+
+
+def test_rowwise_attention_gives_each_query_its_one_query_bits():
+    """Shapes of the default model (9 query heads over 3 key/value heads of 64, 200 cached
+    positions); negative control: SDPA over the 5 queries at once rounds them otherwise."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    query, key, value = torch.randn(1, 9, 5, 64), torch.randn(1, 3, 205, 64), torch.randn(1, 3, 205, 64)
+    alone = torch.cat(
+        [
+            sdpa_attention_forward(module, query[:, :, i : i + 1], key[:, :, : 201 + i], value[:, :, : 201 + i], None)[
+                0
+            ]
+            for i in range(5)
+        ],
+        dim=1,
+    )
+    assert torch.equal(rowwise_sdpa(module, query, key, value, None)[0], alone)
+    mask = torch.arange(205)[None, :] <= torch.arange(200, 205)[:, None]  # [5 queries, 205 keys]
+    together = sdpa_attention_forward(module, query, key, value, mask[None, None])[0]
+    assert not torch.equal(together, alone)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache, PreTrainedModel, cache_utils
+
+from specdecode.loading import quantization_of
+from specdecode.runners.rowwise import make_rows_exact, verifying
 
 # transformers' linear-attention cache layers (and hybrids): a crop cannot take their
 # recurrent state back
@@ -18,6 +23,11 @@ class HFModelRunner:
 
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
+        if quantization_of(model) is not None:
+            # bitsandbytes rounds layer inputs to bfloat16: verified rows must get their
+            # one-token bits, or speculation drifts from the quantized model's own output
+            make_rows_exact(model)
+        self._rows_exact = quantization_of(model) is not None
         config = model.config.get_text_config()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
@@ -36,13 +46,15 @@ class HFModelRunner:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        verification = self._rows_exact and self._length > 0 and token_ids.shape[0] > 1
         try:
-            out = self.model(
-                input_ids=token_ids.to(self.device)[None],
-                cache=self._cache,  # updated in place
-                use_cache=True,
-                logits_to_keep=num_logits,
-            )
+            with verifying() if verification else contextlib.nullcontext():
+                out = self.model(
+                    input_ids=token_ids.to(self.device)[None],
+                    cache=self._cache,  # updated in place
+                    use_cache=True,
+                    logits_to_keep=num_logits,
+                )
         except BaseException:
             # a forward that fails part-way (out of memory, an interrupt) has appended the new
             # positions to the layers that ran and not to the others: take them off again

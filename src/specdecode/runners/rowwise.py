@@ -1,0 +1,106 @@
+"""Verification forwards that give each new token the bits it gets alone, for transformers'
+runner over a bitsandbytes model: attention one query at a time, and LLM.int8 layers one row
+at a time.
+
+A verification forward runs k + 1 new queries at once, and SDPA computes them in one
+product whose rounding depends on how many queries share it. In float32 that moves the
+last bits, rarely an argmax; but a bitsandbytes model rounds every quantized layer's input
+to bfloat16, which turns those bits into whole bfloat16 steps. Measured on the default model
+in nf4 (5 tokens after a prompt): logits 0.22 apart between one 5-token forward and five
+one-token forwards with transformers' SDPA; with this attention the hidden states are
+identical (the float32 output layer leaves 4e-5, as in float32 models), and speculative
+output equals the quantized model's own greedy `generate` (benchmarks/quantization.py).
+
+So a forward with several new queries after a cache runs each query alone, against the keys
+it would see alone (its own position and before), exactly as one-token decoding calls SDPA.
+One-token forwards and prefills (no cache) are left to SDPA as they are; `generate()` on the
+same model is therefore unchanged. The cost: k + 1 small attention calls per layer instead of
+one, while the 4-bit weights, the dominant cost, are still read once per verification.
+
+LLM.int8 layers (bitsandbytes int8 with an outlier threshold) compute in float the input
+columns where any row of the product exceeds the threshold: a row's result depends on its
+neighbours. During a verification forward (`verifying()`) they run one row at a time, as in
+one-token decoding; that reads their int8 weights once per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "specdecode_rowwise_sdpa"
+_verifying = contextvars.ContextVar("specdecode_verifying", default=False)
+
+
+@contextlib.contextmanager
+def verifying() -> Iterator[None]:
+    """Within: a forward of several new tokens after a cache (not a prefill)."""
+    token = _verifying.set(True)
+    try:
+        yield
+    finally:
+        _verifying.reset(token)
+
+
+def rowwise_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [batch, heads, queries, dim]
+    key: torch.Tensor,  # [batch, kv heads, keys, dim]: the cache, then the new positions
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,  # [batch, 1, queries, keys] or None
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # [batch, queries, heads, dim]
+    queries, keys = query.shape[2], key.shape[2]
+    if queries == 1 or queries == keys:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    past = keys - queries
+    rows = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, i : i + 1],
+            key[:, :, : past + i + 1],
+            value[:, :, : past + i + 1],
+            _row_mask(attention_mask, i, past + i + 1),
+            **kwargs,
+        )[0]
+        for i in range(queries)
+    ]
+    return torch.cat(rows, dim=1), None
+
+
+def _row_mask(mask: torch.Tensor | None, row: int, keys: int) -> torch.Tensor | None:
+    """Query row's mask over its keys; None where it allows them all, as one-token decoding
+    passes none (a mask, even an all-allowing one, may take another SDPA kernel)."""
+    if mask is None:
+        return None
+    row_mask = mask[:, :, row : row + 1, :keys]
+    allows_all = bool(row_mask.all()) if row_mask.dtype == torch.bool else bool((row_mask == 0).all())
+    return None if allows_all else row_mask
+
+
+def make_rows_exact(model: PreTrainedModel) -> None:
+    """Switch a bitsandbytes model's attention (on SDPA) to rowwise_sdpa, and its LLM.int8
+    layers to one row at a time within verifying()."""
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(NAME)
+    for module in model.modules():
+        if type(module).__name__ == "Linear8bitLt" and getattr(module.state, "threshold", 0) > 0:
+            module.forward = _one_row_at_a_time(module.forward)
+
+
+def _one_row_at_a_time(forward):
+    def rowwise(x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])
+        if not _verifying.get() or rows.shape[0] == 1:
+            return forward(x)
+        return torch.cat([forward(row[None]) for row in rows]).reshape(*x.shape[:-1], -1)
+
+    return rowwise
+
+
+AttentionInterface.register(NAME, rowwise_sdpa)
