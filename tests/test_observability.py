@@ -1,11 +1,14 @@
 """Observability: OpenTelemetry traces (span tree, GenAI and speculative attributes, the
-client's traceparent, OTLP and console export from `specdecode serve`), the GenAI metrics
-beside the vLLM-style ones (each request counted once), the counters under injected faults,
-and the shipped Grafana dashboard: every panel's PromQL run against a real Prometheus that
-scraped the real server under load, with negative controls that must come back empty."""
+client's traceparent, OTLP and console export from `specdecode serve`, Redis calls against a
+real redis-server), the GenAI metrics beside the vLLM-style ones (each request counted once),
+the estimated speedup over target-only, the counters under injected faults, and the shipped
+Grafana dashboard: every panel's PromQL run against a real Prometheus that scraped the real
+server under load (and the per-replica panels against a Ray-shaped /metrics), with negative
+controls that must come back empty."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -26,8 +29,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import SERVED_MODEL as MODEL
-from helpers import CrashAt, Gate, free_port, prometheus_server, serving, wait_for
-from specdecode import SpeculativeEngine
+from helpers import CrashAt, Gate, free_port, prometheus_server, redis_server, serving, wait_for
+from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.errors import InvalidArgumentError
 from specdecode.server import create_app
 from specdecode.server import tracing as tracing_module
@@ -205,6 +208,53 @@ def test_a_response_cache_hit_has_no_prefill_or_decode_span(tiny_model_dir):
     assert {s.name for s in trace["all"]} == {"POST /v1/completions", generation.name, "queue"}
 
 
+def redis_spans(spans) -> list:
+    return [s for s in spans if s.attributes.get("db.system") == "redis"]
+
+
+def descends_from(span, ancestor, spans) -> bool:
+    by_id = {s.context.span_id: s for s in spans}
+    while span.parent is not None and span.parent.span_id in by_id:
+        span = by_id[span.parent.span_id]
+        if span is ancestor:
+            return True
+    return False
+
+
+def test_redis_calls_are_client_spans_in_the_trace_of_the_request_that_made_them(tiny_model_dir):
+    with redis_server() as redis_url:
+        # bfloat16: the response cache is on; "auto" drafts from the draft store too
+        engine = SpeculativeEngine.from_pretrained(tiny_model_dir, dtype="bfloat16", cache=CacheOptions(url=redis_url))
+        create_app(engine, model_name=MODEL)  # tracing off: the client is left alone
+        assert not hasattr(engine.cache_backend.client.execute_command, "__wrapped__")
+        exporter = InMemorySpanExporter()
+        with serving(create_app(engine, model_name=MODEL, tracing=Tracing.to(exporter, batch=False))) as url:
+            greedy(new_client(url), PROMPTS[3])
+            first = trace_of(exporter, "/v1/completions")
+            exporter.clear()
+            greedy(new_client(url), PROMPTS[3])  # the same request again: a response-cache hit
+            again = trace_of(exporter, "/v1/completions")
+            outside = [s for s in redis_spans(exporter.get_finished_spans()) if s not in again["all"]]
+        # the same engine under another app: its Redis spans follow the new app's exporter
+        newer = InMemorySpanExporter()
+        with serving(create_app(engine, model_name=MODEL, tracing=Tracing.to(newer, batch=False))) as url:
+            exporter.clear()
+            greedy(new_client(url), PROMPTS[4])
+            moved = trace_of(newer, "/v1/completions")
+    # a miss: the lookup (GET) and the draft store's sync (XRANGE) on admission, and at the end
+    # the finished sequence shared (XADD) and the answer stored (SET)
+    assert sorted(s.name for s in redis_spans(first["all"])) == ["GET", "SET", "XADD", "XRANGE"]
+    # a hit: the lookup alone, in the second request's trace; no Redis span outside a request's trace
+    assert [s.name for s in redis_spans(again["all"])] == ["GET"] and outside == []
+    for trace in (first, again):
+        server = trace["server"]
+        for span in redis_spans(trace["all"]):
+            assert span.kind == SpanKind.CLIENT and descends_from(span, server, trace["all"])
+            assert server.start_time <= span.start_time and span.end_time <= server.end_time
+            assert span.attributes["db.statement"].startswith(span.name)  # arguments sanitized ("GET ?")
+    assert len(redis_spans(moved["all"])) == 4 and exporter.get_finished_spans() == ()
+
+
 def test_tracing_follows_the_standard_environment_variables(monkeypatch):
     for name in list(os.environ):
         if name.startswith("OTEL_"):
@@ -352,6 +402,44 @@ def test_the_gen_ai_histograms_count_each_request_once_beside_the_vllm_ones(engi
     assert total(m, "specdecode:spec_decode_num_draft_tokens_per_pos_total") == drafted
 
 
+class _SlowForwards(Gate):
+    """Holds the first step until opened; then every target forward takes FORWARD_S more, so
+    that its cost, not this machine's noise, is what the speedup's two sums measure."""
+
+    FORWARD_S = 0.02
+
+    def after_forward(self, requests) -> None:
+        time.sleep(self.FORWARD_S)
+
+
+def held(samples: dict) -> float:
+    """Requests the server holds: queued or in the batch."""
+    return total(samples, "specdecode:num_requests_waiting") + total(samples, "specdecode:num_requests_running")
+
+
+def test_the_estimated_speedup_of_target_only_decoding_is_about_one(tiny_model_dir):
+    """Four target-only requests decoded together: target-only seconds estimated from the
+    measured cost of a 4-token forward (1/4 of it per token), over the steps' own seconds."""
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    hook = _SlowForwards()
+    body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "speculative": {"num_speculative_tokens": 0}}
+    with serving(create_app(engine, model_name=MODEL, faults=hook)) as url:
+        post = lambda prompt: httpx.post(f"{url}/v1/completions", json=body | {"prompt": prompt}, timeout=60)  # noqa: E731
+        with ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(post, prompt) for prompt in PROMPTS[:4]]
+            wait_for(lambda: held(scrape(url)) == 4)  # all four in: they decode together
+            hook.opened.set()
+            assert all(a.result().status_code == 200 for a in answers)
+        m = scrape(url)
+    steps = total(m, "specdecode:spec_decode_step_seconds_total")
+    target_only = total(m, "specdecode:spec_decode_target_only_seconds_total")
+    # batches of 3 or 4 (a sequence may stop early): a per-token share that ignored the batch would give ~3.6
+    assert steps > 10 * _SlowForwards.FORWARD_S
+    assert total(m, "specdecode:batch_size_sum") / total(m, "specdecode:batch_size_count") > 3
+    # the same forwards either way: about 1, a little under (a step also drafts and commits)
+    assert 0.8 < target_only / steps < 1.15, (target_only, steps)
+
+
 def test_metrics_move_as_the_faults_do(engine):
     """Transient failures: retries; crashes: restarts, and a resumed request is still counted
     once; a poisoned request: an engine_failure error and one failed duration; a client that
@@ -452,6 +540,7 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(tiny_model_di
     titles = {p["title"] for p in panels}
     for wanted in ["Request rate", "Output tokens/s", "Time to first token", "Time per output token", "Batch size"]:
         assert wanted in titles
+    assert {"Output tokens/s by replica", "Estimated speedup over target-only"} <= titles
     assert all(t["datasource"]["uid"] == "${datasource}" for p in panels for t in p.get("targets", []))
     # bfloat16: the response cache is on (exact there), so the cache panels have something to show
     engine = SpeculativeEngine.from_pretrained(tiny_model_dir, dtype="bfloat16")
@@ -484,6 +573,62 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(tiny_model_di
     assert total(m, "specdecode:response_cache_lookups_total", result="hit") > 0
     assert total(m, "specdecode:engine_worker_restarts_total") == 1
     assert total(m, "specdecode:engine_step_retries_total") > 0
+
+
+def series(prometheus: str, expr: str) -> list[dict]:
+    return httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}).json()["data"]["result"]
+
+
+class _RayMetrics(BaseHTTPRequestHandler):
+    """/metrics as a Ray deployment answers it (ray_serve.merged_metrics, every sample labelled
+    with its replica): two replicas r1 and r2, here both the live metrics of one server."""
+
+    server_url = ""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        from specdecode.server.ray_serve import merged_metrics
+
+        text = httpx.get(f"{self.server_url}/metrics").text
+        body = merged_metrics([("r1", text), ("r2", text)])
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_per_replica_panels_split_by_the_label_ray_replicas_carry(engine, tmp_path):
+    """The single-process test above proves these panels return data; only a Ray-shaped /metrics
+    proves they split by the label the replicas carry."""
+    pytest.importorskip("ray")
+    queries = [(title, expr) for title, expr in dashboard_queries() if "by (replica)" in expr]
+    assert len(queries) >= 3
+    with serving(create_app(engine, model_name=MODEL)) as url:
+        ray_metrics = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_RayMetrics,), {"server_url": url}))
+        threading.Thread(target=ray_metrics.serve_forever, daemon=True).start()
+        target = f"127.0.0.1:{ray_metrics.server_port}"
+        try:
+            with prometheus_server([target], tmp_path) as prometheus:
+                ask = functools.partial(series, prometheus)
+                wait_for(lambda: [r["value"][1] for r in ask("up")] == ["1"], timeout=30)
+                for prompt in PROMPTS[:3]:
+                    greedy(new_client(url), prompt)
+                served = total(scrape(url), "specdecode:generation_tokens_total")
+                scraped = lambda: [float(r["value"][1]) for r in ask("specdecode:generation_tokens_total")]  # noqa: E731
+                wait_for(lambda: scraped() == [served, served], timeout=30)
+                time.sleep(2.5)  # two more scrapes: a rate over the load
+                for title, expr in queries:
+                    replicas = {r["metric"].get("replica"): float(r["value"][1]) for r in ask(expr)}
+                    assert set(replicas) == {"r1", "r2"}, title
+                    assert all(math.isfinite(v) for v in replicas.values()), title
+                # control: grouped by a label the replicas do not carry, one series with none
+                wrong = ask(queries[0][1].replace("by (replica)", "by (replica_id)"))
+                assert [r["metric"] for r in wrong] == [{}]
+        finally:
+            ray_metrics.shutdown()
 
 
 def _load(url: str) -> None:

@@ -130,6 +130,19 @@ class ServerMetrics:
             buckets=_DRAFT_LENGTH_BUCKETS,
             registry=r,
         )
+        # the estimated speedup over target-only decoding: the ratio of these two rates
+        self.decode_step_seconds = Counter(
+            "specdecode:spec_decode_step_seconds",
+            "Seconds of decoding steps (drafting, target forward, acceptance) whose forward size "
+            "has a measured one-token-per-sequence cost; steps with a prefill in them are left out.",
+            registry=r,
+        )
+        self.target_only_seconds = Counter(
+            "specdecode:spec_decode_target_only_seconds",
+            "Estimated seconds target-only decoding would spend on the tokens of the same steps: each "
+            "token at 1/batch of the measured seconds of a forward of one token per sequence of that batch.",
+            registry=r,
+        )
         # the GenAI semantic conventions' server metrics (gen_ai.server.*) and token usage
         self.gen_ai_time_to_first_token = Histogram(
             "gen_ai_server_time_to_first_token_seconds",
@@ -195,6 +208,16 @@ class ServerMetrics:
     def observe_request_end(self, operation: str, seconds: float, error_type: str = "") -> None:
         """Once per request the engine took, whatever its outcome ("": finished)."""
         self.gen_ai_request_duration.labels(operation, self.model_name, error_type).observe(seconds)
+
+    def observe_decode_step(self, seconds: float, tokens: int, batch: int, one_token_forward: float | None) -> None:
+        """A decoding step of `batch` sequences that emitted `tokens` in `seconds`, beside what
+        target-only decoding would spend on them: tokens / batch forwards of one token per
+        sequence, at one_token_forward seconds each (the engine's measured cost of a forward of
+        `batch` tokens; None: not measured yet, and the step counts in neither sum)."""
+        if one_token_forward is None:
+            return
+        self.decode_step_seconds.inc(seconds)
+        self.target_only_seconds.inc(tokens / batch * one_token_forward)
 
     def observe_finished(self, operation: str, stats: GenerationStats, prompt_tokens: int, output_tokens: int) -> None:
         """A finished request's tokens and what its steps drafted."""

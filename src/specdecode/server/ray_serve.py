@@ -8,14 +8,18 @@ whose actor died or whose engine thread stopped (check_health), and scales betwe
 network hop per step would cost more than speculation saves.
 
 /metrics on any replica answers every replica's metrics, each sample labelled `replica`, so
-one scrape sees the whole deployment (sum by the label for totals). Replicas share the
-cross-request draft store and response cache only through --cache-url (Redis): each replica
-connects to that URL itself; without it each keeps its own in-process cache.
+one scrape sees the whole deployment (sum by the label for totals). Each replica traces as
+the OTEL_* variables of the `serve --ray` command ask (passed to it in its runtime_env) and
+exports its own spans; a client's traceparent passes through Serve's proxy to the replica.
+Replicas share the cross-request draft store and response cache only through --cache-url
+(Redis): each replica connects to that URL itself; without it each keeps its own in-process
+cache.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -43,8 +47,13 @@ class Scaling:
     target_ongoing_requests: float | None = None  # per replica, that the autoscaler aims for
 
     def deployment_options(self, spec: ServerSpec) -> dict:
+        actor_options: dict = {"num_cpus": self.replica_cpus}
+        if otel := otel_variables():
+            # on a cluster from `ray start`, a replica has that command's environment, not
+            # this process's: OTEL_EXPORTER_OTLP_ENDPOINT set here alone would trace nothing
+            actor_options["runtime_env"] = {"env_vars": otel}
         options = dict(
-            ray_actor_options={"num_cpus": self.replica_cpus},
+            ray_actor_options=actor_options,
             # the replica's own queue (429 beyond max_waiting) decides; Ray only routes
             max_ongoing_requests=spec.max_batch_size + spec.max_waiting,
             health_check_period_s=5,
@@ -63,6 +72,11 @@ class Scaling:
     @property
     def most_replicas(self) -> int:
         return max(self.replicas, self.max_replicas or 0)
+
+
+def otel_variables() -> dict[str, str]:
+    """This process's OTEL_* variables: how each replica is to trace (tracing.py reads them)."""
+    return {name: value for name, value in os.environ.items() if name.startswith("OTEL_")}
 
 
 @serve.deployment(name="EngineReplica")

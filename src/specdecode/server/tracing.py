@@ -4,6 +4,10 @@ the GenAI semantic conventions' attributes (`gen_ai.*`) and our speculative ones
 (`specdecode.*`), and under that its phases: `queue` (arrival to a batch slot), `prefill`
 (the slot to the first token) and `decode` (the first token to the end; its steps are
 aggregated into attributes and one event per draft length, never a span per token).
+With a Redis cache backend (--cache-url), each Redis command is a client span (`GET`, `SET`,
+`XRANGE`, `XADD`: opentelemetry-instrumentation-redis) under the HTTP span of the request
+that made it: the engine thread makes the request's context current around its cache calls
+(`RequestTrace.current`).
 
 The engine thread must not wait on the tracer, and a request's phases end there, so the
 handler only captures its context (`Tracing.start`: a RequestTrace carried on the
@@ -22,6 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
@@ -66,7 +72,8 @@ class Tracing:
 
     def instrument(self, app: FastAPI) -> None:
         """A server span for every HTTP request but scrapes and health checks, child of the
-        client's `traceparent`; no spans for each ASGI message (one per streamed chunk)."""
+        client's `traceparent`; no spans for each ASGI message (one per streamed chunk); and a
+        client span per Redis command of the app's engine (create_app set app.state.server)."""
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
         FastAPIInstrumentor.instrument_app(
@@ -76,6 +83,24 @@ class Tracing:
             excluded_urls=os.environ.get("OTEL_PYTHON_FASTAPI_EXCLUDED_URLS", NOT_TRACED_URLS),
             exclude_spans=["receive", "send"],
         )
+        self.instrument_cache(app.state.server.engine.cache_backend)
+
+    def instrument_cache(self, backend) -> None:
+        """A client span per command of a Redis backend's client, to this app's exporters;
+        nothing for the in-process backend (no network call to see)."""
+        from specdecode.cache.backends import RedisBackend
+
+        if not isinstance(backend, RedisBackend):
+            return
+        from opentelemetry.instrumentation.redis import RedisInstrumentor
+
+        client, flag = backend.client, "_is_instrumented_by_opentelemetry"  # the instrumentation's mark
+        if getattr(client, flag, False):
+            # the same engine under a new app (as in tests): its spans go to the newest app's
+            # exporters; uninstrument_client leaves the mark set, which would refuse the new one
+            RedisInstrumentor.uninstrument_client(client)
+            setattr(client, flag, False)
+        RedisInstrumentor.instrument_client(client, tracer_provider=self.provider)
 
     def start(self, model: str) -> RequestTrace:
         """In the request's handler: what its spans will hang under (the HTTP span)."""
@@ -92,6 +117,16 @@ class RequestTrace:
 
     def __init__(self, tracer, parent, model: str):
         self.tracer, self.parent, self.model = tracer, parent, model
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """The request's context current in this thread: spans started meanwhile (its Redis
+        calls) are children of its HTTP span, not roots of traces of their own."""
+        token = otel_context.attach(self.parent)
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
 
     def end(
         self, handle: RequestHandle, result: GenerationResult | None, error: BaseException | None, aborted: bool

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -41,6 +42,7 @@ logger = logging.getLogger("specdecode.server")
 MAX_CRASHES = 3  # worker crashes a request may live through before it fails
 STEP_ATTEMPTS = 3  # tries of one engine step before its requests are tried one by one
 ADMIT_POLL_S = 0.05  # how often an idle worker looks for new requests and for stop()
+_UNTRACED = nullcontext()
 
 
 class QueueFullError(RuntimeError):
@@ -235,8 +237,9 @@ class EngineWorker:
                 self._resolve(handle, error=error)
                 continue
             handle.started_at = time.perf_counter()
-            if not self._answer_from_cache(seq):
-                self.decoder.add(seq)
+            with _traced(handle):  # a response-cache lookup and a draft-store sync: Redis calls
+                if not self._answer_from_cache(seq):
+                    self.decoder.add(seq)
 
     def _answer_from_cache(self, seq: Sequence) -> bool:
         """A deterministic request seen before: answered at once, without a slot or a forward."""
@@ -276,7 +279,7 @@ class EngineWorker:
         now = time.perf_counter()
         for seq in list(self.decoder.active):
             if seq.tag.cancelled:
-                self.decoder.remove(seq)
+                self._remove(seq)
                 self._end(seq.tag, "abort")
             elif now > seq.tag.deadline:
                 limit = self.max_request_seconds
@@ -303,11 +306,23 @@ class EngineWorker:
     def _step_with_retries(self, sequences: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         requests = [seq.tag.request for seq in sequences]
         after_forward = None if self.faults is None else functools.partial(self.faults.after_forward, requests)
+        decoding = not any(seq.prefilling for seq in sequences)  # asked before the step, which ends a prefill
         for attempt in self._retrying:
             with attempt:
                 if self.faults is not None:
                     self.faults.before_step(requests)
-                return self.decoder.step(sequences, after_forward)
+                start = time.perf_counter()
+                emitted = self.decoder.step(sequences, after_forward)
+                seconds = time.perf_counter() - start
+        if decoding:  # after the retries: a failure here must not run the step again
+            self._record_step(emitted, len(sequences), seconds)
+        return emitted
+
+    def _record_step(self, emitted: list[tuple[Sequence, list[int]]], batch: int, seconds: float) -> None:
+        """For the estimated speedup: the step's cost, and target-only's for the same tokens,
+        from the decoder's measured cost of a forward of one token per sequence (batch tokens)."""
+        tokens = sum(len(new) for _, new in emitted)
+        self.metrics.observe_decode_step(seconds, tokens, batch, self.decoder.costs.seconds.get(batch))
 
     def _deliver(self, emitted: list[tuple[Sequence, list[int]]]) -> None:
         now = time.perf_counter()
@@ -323,11 +338,12 @@ class EngineWorker:
 
     def _complete(self, seq: Sequence) -> None:
         handle = seq.tag
-        self.decoder.remove(seq)
+        self._remove(seq)
         seq.stats.wall_time_s = time.perf_counter() - handle.started_at
         try:
             result = self.engine.result(seq)
-            self.engine.remember(seq)
+            with _traced(handle):  # the response cache's write: a Redis call
+                self.engine.remember(seq)
         except Exception as error:  # noqa: BLE001 - out of the batch already: answer it here or never
             self._resolve(handle, error=error)
             return
@@ -367,9 +383,13 @@ class EngineWorker:
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         if seq.slot is not None:
-            self.decoder.remove(seq)
+            self._remove(seq)
         logger.warning("request failed: %r", error)
         self._resolve(seq.tag, error=error)
+
+    def _remove(self, seq: Sequence) -> None:
+        with _traced(seq.tag):  # its drafters share the finished sequence: a Redis call with --cache-url
+            self.decoder.remove(seq)
 
     def _end(self, handle: RequestHandle, reason: str) -> None:
         self.metrics.requests_finished.labels(reason).inc()
@@ -409,6 +429,12 @@ class EngineWorker:
                 m.drafted_by_source.labels(source).inc(drafted)
                 m.accepted_by_source.labels(source).inc(accepted)
         m.requests_finished.labels(result.finish_reason).inc()
+
+
+def _traced(handle: RequestHandle) -> AbstractContextManager:
+    """The request's trace context current in this thread (spans of its Redis calls join its
+    trace), or nothing when it is not traced."""
+    return handle.trace.current() if handle.trace is not None else _UNTRACED
 
 
 def _max_tokens(asked: int | None, prompt_tokens: int, max_model_len: int) -> int:
