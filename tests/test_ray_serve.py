@@ -22,6 +22,7 @@ from specdecode.server import create_app
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.xdist_group("ray")  # one worker holds the one test cluster
 
+API_KEY = "ray-secret"
 PROMPTS = ["w1 w2 w3 w4 w1 w2 w3", "w5 w6 w5 w6 w5", "w7 w8 w9 w7 w8", "w2 w4 w6 w8 w2 w4"]
 
 
@@ -39,6 +40,7 @@ def ray_server(ray_address, tiny_model_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
     args = ["serve", "--ray-address", ray_address, "--replicas", "2", "--target", tiny_model_dir, "--port", str(port)]
+    args += ["--api-key", API_KEY]
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "specdecode.cli", *args], stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
@@ -57,7 +59,7 @@ def ray_server(ray_address, tiny_model_dir, tmp_path_factory):
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def answers(url: str, model: str, stream: bool) -> list[tuple[str, dict | None]]:
@@ -87,6 +89,17 @@ def test_replicas_answer_greedy_requests_as_the_single_process_server(ray_server
         assert [text for text, _ in got] == expected, f"stream={stream}"
     stats = [s for _, s in answers(ray_server, tiny_model_dir, stream=False)]
     assert sum(s["drafted_tokens"] for s in stats) > 0 and sum(s["accepted_tokens"] for s in stats) > 0
+
+
+def test_replicas_answer_bad_requests_as_the_single_process_server(ray_server, tiny_model_dir):
+    keyless = openai.OpenAI(base_url=f"{ray_server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        keyless.completions.create(model=tiny_model_dir, prompt="w1 w2", max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client(ray_server).completions.create(model=tiny_model_dir, prompt="w1 w2", max_tokens=0)
+    assert bad.value.body["param"] == "max_tokens"
+    answer = client(ray_server).completions.create(model=tiny_model_dir, prompt="w1 w2", max_tokens=4, temperature=0)
+    assert answer.choices[0].text  # still serving
 
 
 def test_concurrent_requests_are_spread_over_both_replicas(ray_server, tiny_model_dir):
