@@ -51,7 +51,7 @@ def test_policy_switches_off_then_probes_ever_more_rarely():
         policy.record_verdict(1, 0)
     ks = [policy.choose(4) for _ in range(PROBE_EVERY[0] * 7)]
     probes = [i for i, k in enumerate(ks) if k]
-    assert all(ks[i] == 1 for i in probes)
+    assert all(ks[i] == 4 for i in probes)  # a probe tries every position
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes get rarer while they fail
 

@@ -180,3 +180,17 @@ def test_lookup_history_reaches_the_sequences_of_batches_and_the_next_call():
         return result.stats.accepted_tokens
 
     assert accepted(use_history=True) > accepted(use_history=False) + 4
+
+
+def test_a_draft_model_prefills_the_prompt_at_begin_not_in_its_first_draft():
+    """Timed as drafting, the prefill made every request's first draft look several times
+    dearer than the next ones to adaptive k; now the first draft runs the new positions only."""
+    runner = HFModelRunner(tiny_llama(seed=1))
+    drafter, prompt = ModelDrafter(runner), [3, 5, 7, 2, 9, 11]
+    drafter.begin(prompt)
+    assert runner.cache_length == len(prompt) - 1
+    ran = []
+    forward = runner.forward
+    runner.forward = lambda tokens, n: ran.append(len(tokens)) or forward(tokens, n)
+    drafter.propose(prompt + [4], 3, SamplingParams(), None)
+    assert ran == [2, 1, 1]  # the prompt's last token and the new one, then a draft token each
