@@ -4,8 +4,11 @@ cached answer is checked and served only where outputs do not depend on the batc
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -230,6 +233,40 @@ def test_a_redis_that_dies_and_returns_costs_no_request(bf16_model, monkeypatch)
         time.sleep(0.3)
         engine.generate([[2, 4, 6]], max_new_tokens=8)  # stored in Redis again
         assert redis.Redis.from_url(f"redis://127.0.0.1:{port}/0").dbsize() > 0
+
+
+def test_killing_redis_during_a_load_test_loses_and_changes_nothing(bf16_model, monkeypatch):
+    """Redis stopped while 8 clients stream 48 requests: every request is answered, each
+    exactly as a server without Redis answers it; the backend's errors are counted."""
+    from specdecode.bench.loadtest import run_level
+
+    monkeypatch.setattr(backends_module, "RETRY_S", 0.2)
+    prompts = [" ".join(f"w{(i * j) % 19 + 1}" for j in range(3, 9)) for i in range(48)]
+
+    def load(engine, during=lambda: None) -> tuple[list[str | None], list[str | None]]:
+        with serving(create_app(engine, model_name=MODEL)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            background = threading.Thread(target=during)
+            background.start()
+            timings = run_level(client, MODEL, prompts, 8, 30, 0.0)[1]
+            background.join()
+        return [t.text for t in timings], [t.error for t in timings]
+
+    expected, _ = load(engine_with_caches(bf16_model, auto=True, text=True))
+    with redis_server() as url:
+        engine = engine_with_caches(bf16_model, url, auto=True, text=True)
+        stopped = threading.Event()
+
+        def kill_redis() -> None:
+            time.sleep(0.3)
+            with contextlib.suppress(redis.ConnectionError):  # it hangs up as it goes
+                redis.Redis.from_url(url).shutdown(nosave=True)
+            stopped.set()
+
+        texts, errors = load(engine, kill_redis)
+    assert stopped.is_set()
+    assert errors == [None] * len(prompts) and texts == expected
+    assert engine.cache_backend.errors > 0  # requests after the kill met a dead Redis
 
 
 def test_a_malformed_or_unreachable_cache_url(tiny_model_dir):
