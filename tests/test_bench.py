@@ -319,3 +319,24 @@ def test_quick_run_on_the_real_model(tmp_path):
     assert all(r["greedy_identical"] == 1.0 for r in engine_rows), results["greedy_differences"]
     assert (tmp_path / "speedup_by_category.png").exists()
     print(f"quick bench: {elapsed:.0f} s")
+
+
+def test_the_repeat_workload_compares_every_system_with_target_only(tiny_model_dir, tmp_path):
+    args = ["bench", "--workload", "repeat", "--target", tiny_model_dir, "--prompts-per-category", "1"]
+    args += ["--max-new-tokens", "8", "--dtype", "float32", "--output-dir", str(tmp_path)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("| ") and "| workload |" not in line]
+    assert len(rows) == 4 * 4  # every workload, every system
+    assert all(row.split("|")[-2].strip() == "1/1" for row in rows)  # each output identical to target-only
+    assert (tmp_path / "repeat.md").read_text().strip().endswith(rows[-1])
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [(["--workload", "nope"], "unknown --workload 'nope'"), (["--workload", "repeat", "-k", "3"], "-k do not apply")],
+)
+def test_bad_bench_workloads_exit_2_with_one_line(args, says):
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1

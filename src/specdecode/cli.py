@@ -187,6 +187,13 @@ def generate(
 
 @app.command()
 def bench(
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="specbench: drafters against transformers on Spec-Bench prompts; repeat: the caches on "
+            "exact repeats, near-repeats, multi-turn revisions and unique prompts."
+        ),
+    ] = "specbench",
     quick: Annotated[
         bool, typer.Option(help="One prompt per Spec-Bench task, 32 tokens, k = 2 and 4: a few minutes.")
     ] = False,
@@ -237,7 +244,13 @@ def bench(
     """Benchmark against transformers on Spec-Bench prompts; write results.json, report.md and plots."""
     from specdecode.bench import BenchConfig, overall_table, run_benchmark, write_outputs
 
+    if workload == "repeat":
+        options = dict(draft=draft, drafter=drafter, k=k, prompts=prompts, category=category, runs=runs, quick=quick)
+        _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, seed, output_dir, options)
+        return
     with user_errors():
+        if workload != "specbench":
+            raise InvalidArgumentError(f"unknown --workload '{workload}'; use specbench or repeat")
         config = BenchConfig.create(
             quick,
             target=target,
@@ -260,6 +273,44 @@ def bench(
         files = write_outputs(result, config.output_dir)
     print(overall_table(result.rows, config.greedy))
     print("wrote " + ", ".join(str(f) for f in files))
+
+
+def _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, seed, output_dir, options) -> None:
+    """`bench --workload repeat` (bench/repeat.py): its own systems and prompts, bfloat16 by
+    default (where the response cache is exact on the CPU)."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from specdecode.bench.repeat import request_count, run_repeat_workload
+    from specdecode.engine import CacheOptions, SpeculativeEngine
+
+    with user_errors():
+        given = [f"--{name.replace('_', '-')}" for name, value in options.items() if value]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} do not apply to --workload repeat; leave them out")
+        prompts = prompts_per_category or 4
+        if prompts < 1 or (max_new_tokens is not None and max_new_tokens < 1):
+            raise InvalidArgumentError("--prompts-per-category and --max-new-tokens must be at least 1")
+        with stderr.status(f"Loading {target or DEFAULT_TARGET}"):
+            engine = SpeculativeEngine.from_pretrained(
+                target or DEFAULT_TARGET,
+                drafter="none",
+                device=device or "auto",
+                dtype=dtype or "bfloat16",
+                cache=CacheOptions(draft_store=False),
+            )
+        columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=stderr) as progress:
+            task = progress.add_task("requests", total=request_count(prompts))
+            table = run_repeat_workload(
+                engine, prompts, max_new_tokens or 64, seed or 0, lambda: progress.advance(task)
+            )
+    print(table)
+    out = Path(output_dir or "bench-results") / "repeat.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    print(f"wrote {out}")
 
 
 def _check_arguments(prompt: str, k: int, max_new_tokens: int, params: SamplingParams) -> None:

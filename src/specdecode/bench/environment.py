@@ -17,7 +17,7 @@ def describe_environment(device: torch.device, dtype: torch.dtype, target_runner
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
@@ -50,7 +50,7 @@ def _fmt_load(load: float | None) -> str:
     return "unknown" if load is None else f"{load:.1f}"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
