@@ -72,7 +72,7 @@ def run_repeat_workload(
 
     def run(view: SpeculativeEngine, messages: Messages) -> tuple[GenerationResult, float]:
         start = time.perf_counter()
-        result = view.generate([_prompt_ids(engine, messages)], max_new_tokens=new_tokens)[0]
+        result = view.generate([prompt_ids(engine, messages)], max_new_tokens=new_tokens)[0]
         return result, time.perf_counter() - start
 
     seen, unseen = prompt_sets(prompts)
@@ -113,7 +113,7 @@ def _requests(seen: list[dict], unseen: list[dict], history: dict) -> list[tuple
     return requests + [("unique", _first_turn(row)) for row in unseen]
 
 
-def _prompt_ids(engine: SpeculativeEngine, messages: Messages) -> list[int]:
+def prompt_ids(engine: SpeculativeEngine, messages: Messages) -> list[int]:
     tokenizer = engine.tokenizer
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
