@@ -92,6 +92,8 @@ def test_an_unreachable_ray_address_exits_2_with_one_line(tiny_model_dir, tmp_pa
 def test_impossible_replica_counts_are_refused_before_anything_starts(ray_address, tiny_model_dir):
     zero = CliRunner().invoke(cli_app, ["serve", "--ray", "--replicas", "0", "--target", tiny_model_dir])
     assert zero.exit_code == 2 and "--replicas must be at least 1" in zero.output
+    outside = CliRunner().invoke(cli_app, ["serve", "--ray", "--replicas", "1", "--min-replicas", "3"])
+    assert outside.exit_code == 2 and "must lie between --min-replicas 3" in outside.output
     too_many = bad(["serve", "--ray-address", ray_address, "--replicas", "3", "--target", tiny_model_dir])
     assert too_many.returncode == 2, too_many.stderr
     assert "needs 3 CPUs; the Ray cluster has 2" in too_many.stderr and "Traceback" not in too_many.stderr

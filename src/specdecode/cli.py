@@ -509,8 +509,12 @@ def _scaling(replicas: int, replica_cpus: float, min_replicas, max_replicas, tar
         raise InvalidArgumentError(f"--min-replicas must be at least 0, got {min_replicas}")
     if max_replicas is not None and max_replicas < 1:
         raise InvalidArgumentError(f"--max-replicas must be at least 1, got {max_replicas}")
-    if min_replicas is not None and max_replicas is not None and min_replicas > max_replicas:
-        raise InvalidArgumentError(f"--min-replicas {min_replicas} is more than --max-replicas {max_replicas}")
+    low, high = min_replicas if min_replicas is not None else 1, max_replicas if max_replicas is not None else replicas
+    if (min_replicas is not None or max_replicas is not None) and not low <= replicas <= high:
+        raise InvalidArgumentError(
+            f"autoscaling starts from --replicas {replicas}, which must lie between --min-replicas {low} and "
+            f"--max-replicas {high}"
+        )
     if target_ongoing_requests is not None and not target_ongoing_requests > 0:
         raise InvalidArgumentError(f"--target-ongoing-requests must be positive, got {target_ongoing_requests}")
     require_ray()
