@@ -8,7 +8,6 @@ import contextlib
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -243,10 +242,12 @@ def test_killing_redis_during_a_load_test_loses_and_changes_nothing(bf16_model, 
     monkeypatch.setattr(backends_module, "RETRY_S", 0.2)
     prompts = [" ".join(f"w{(i * j) % 19 + 1}" for j in range(3, 9)) for i in range(48)]
 
-    def load(engine, during=lambda: None) -> tuple[list[str | None], list[str | None]]:
-        with serving(create_app(engine, model_name=MODEL)) as url:
+    def load(engine, during=lambda finished: None) -> tuple[list[str | None], list[str | None]]:
+        app = create_app(engine, model_name=MODEL)
+        finished = app.state.metrics.requests_finished.labels("length")._value.get  # all end at max_tokens
+        with serving(app) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-            background = threading.Thread(target=during)
+            background = threading.Thread(target=during, args=(finished,))
             background.start()
             timings = run_level(client, MODEL, prompts, 8, 30, 0.0)[1]
             background.join()
@@ -255,16 +256,16 @@ def test_killing_redis_during_a_load_test_loses_and_changes_nothing(bf16_model, 
     expected, _ = load(engine_with_caches(bf16_model, auto=True, text=True))
     with redis_server() as url:
         engine = engine_with_caches(bf16_model, url, auto=True, text=True)
-        stopped = threading.Event()
+        killed_after = []
 
-        def kill_redis() -> None:
-            time.sleep(0.3)
+        def kill_redis(finished) -> None:
+            wait_for(lambda: finished() >= 8, timeout=60)  # some answered with Redis up, most after
+            killed_after.append(finished())
             with contextlib.suppress(redis.ConnectionError):  # it hangs up as it goes
                 redis.Redis.from_url(url).shutdown(nosave=True)
-            stopped.set()
 
         texts, errors = load(engine, kill_redis)
-    assert stopped.is_set()
+    assert killed_after and killed_after[0] < len(prompts)
     assert errors == [None] * len(prompts) and texts == expected
     assert engine.cache_backend.errors > 0  # requests after the kill met a dead Redis
 
