@@ -91,6 +91,13 @@ def test_replicas_answer_greedy_requests_as_the_single_process_server(ray_server
     assert sum(s["drafted_tokens"] for s in stats) > 0 and sum(s["accepted_tokens"] for s in stats) > 0
 
 
+def test_each_replica_runs_as_many_torch_threads_as_its_cpus(ray_server):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", "specdecode")
+    assert handle.broadcast("torch_threads").results(timeout_s=30) == [1, 1]  # --replica-cpus 1 (the default)
+
+
 def test_replicas_answer_bad_requests_as_the_single_process_server(ray_server, tiny_model_dir):
     keyless = openai.OpenAI(base_url=f"{ray_server}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

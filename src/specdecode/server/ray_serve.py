@@ -98,6 +98,11 @@ class EngineReplica:
         if not self.server_app.state.worker.alive:  # Ray Serve restarts the replica
             raise RuntimeError("the engine thread of this replica stopped")
 
+    def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
     def metrics_text(self) -> tuple[str, str]:
         return self.replica, generate_latest(self.server_app.state.metrics.registry).decode()
 
