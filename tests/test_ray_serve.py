@@ -3,6 +3,7 @@ ray_address fixture) behind one OpenAI endpoint, as the single-process server an
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -182,7 +183,9 @@ def test_one_scrape_holds_every_replicas_samples_by_label():
     assert by_replica == {"a": 3.0, "b": 5.0}
 
 
-def test_autoscaling_options_reach_ray_serve():
+def test_autoscaling_options_reach_ray_serve(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)  # they would reach the replicas' options too (tests/test_ray_tracing_env.py)
     from specdecode.server.ray_serve import Scaling
     from specdecode.server.spec import ServerSpec
 

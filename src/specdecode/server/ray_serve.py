@@ -42,7 +42,7 @@ APP_NAME = "specdecode"
 class Scaling:
     replicas: int = 1
     replica_cpus: float = 1.0
-    min_replicas: int | None = None  # both set: autoscaling between them instead of `replicas`
+    min_replicas: int | None = None  # either set: autoscaling between them, from `replicas`
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # per replica, that the autoscaler aims for
 
