@@ -280,8 +280,7 @@ def _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, s
     default (where the response cache is exact on the CPU)."""
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
+    from specdecode.bench.progress import bench_progress
     from specdecode.bench.repeat import request_count, run_repeat_workload
     from specdecode.engine import CacheOptions, SpeculativeEngine
 
@@ -300,8 +299,7 @@ def _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, s
                 dtype=dtype or "bfloat16",
                 cache=CacheOptions(draft_store=False),
             )
-        columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=stderr) as progress:
+        with bench_progress(stderr) as progress:
             task = progress.add_task("requests", total=request_count(prompts))
             table = run_repeat_workload(
                 engine, prompts, max_new_tokens or 64, seed or 0, lambda: progress.advance(task)
@@ -623,8 +621,7 @@ def batch(
     """Answer a JSONL file of completions and chat requests offline, as `specdecode serve` would."""
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
+    from specdecode.bench.progress import bench_progress
     from specdecode.server.batch import done_ids, read_requests, run_batch
     from specdecode.server.spec import ServerSpec
 
@@ -642,23 +639,26 @@ def batch(
         lines = read_requests(source)
         left = len([line for line in lines if line["custom_id"] not in done_ids(destination)])
         spec = ServerSpec(target, draft, drafter, k, device, dtype).with_batch_size(concurrency)
-        columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         if on_ray:
             ray_cluster.connect(ray_address)
             ray_cluster.check_fits(replicas, replica_cpus)
             from specdecode.server.ray_batch import run_batch_on_ray
 
-            with Progress(*columns, console=stderr) as progress:
-                task = progress.add_task(f"{replicas} Ray actors; {len(lines) - left} done before", total=left)
-                answered = run_batch_on_ray(
-                    spec, lines, destination, replicas, replica_cpus, lambda: progress.advance(task)
-                )
+            description = f"{replicas} Ray actors; {len(lines) - left} done before"
+
+            def answer_all(advance):
+                return run_batch_on_ray(spec, lines, destination, replicas, replica_cpus, advance)
         else:
             with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
                 server_app = spec.app()
-            with Progress(*columns, console=stderr) as progress:
-                task = progress.add_task(f"{len(lines) - left} of {len(lines)} done before", total=left)
-                answered = run_batch(server_app, lines, destination, concurrency, lambda: progress.advance(task))
+            description = f"{len(lines) - left} of {len(lines)} done before"
+
+            def answer_all(advance):
+                return run_batch(server_app, lines, destination, concurrency, advance)
+
+        with bench_progress(stderr) as progress:
+            task = progress.add_task(description, total=left)
+            answered = answer_all(lambda: progress.advance(task))
     stderr.print(f"{answered} answered, {len(lines) - answered} already in {output}")
 
 

@@ -13,8 +13,6 @@ import socket
 
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 
-logger = logging.getLogger("specdecode.ray")
-
 
 def require_ray():
     try:
@@ -62,15 +60,11 @@ def check_fits(replicas: int, replica_cpus: float) -> None:
         )
 
 
-def threads_for(replica_cpus: float) -> int:
-    """torch threads of a replica: its CPU share (more would fight its neighbours for cores)."""
-    return max(1, int(replica_cpus))
-
-
 def set_threads(replica_cpus: float) -> None:
+    """A replica's torch threads: its CPU share (more would fight its neighbours for cores)."""
     import torch
 
-    threads = threads_for(replica_cpus)
+    threads = max(1, int(replica_cpus))
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
 

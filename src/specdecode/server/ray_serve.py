@@ -18,7 +18,6 @@ cache.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
@@ -34,7 +33,6 @@ from specdecode.errors import SpecDecodeError
 from specdecode.server.ray_cluster import set_threads
 from specdecode.server.spec import ServerSpec
 
-logger = logging.getLogger("specdecode.ray")
 APP_NAME = "specdecode"
 
 
