@@ -23,11 +23,11 @@ class HFModelRunner:
 
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
-        if quantization_of(model) is not None:
-            # bitsandbytes rounds layer inputs to bfloat16: verified rows must get their
-            # one-token bits, or speculation drifts from the quantized model's own output
-            make_rows_exact(model)
+        # bitsandbytes rounds its layers' inputs: verified rows must get their one-token bits,
+        # or speculation drifts from the quantized model's own output (rowwise.py)
         self._rows_exact = quantization_of(model) is not None
+        if self._rows_exact:
+            make_rows_exact(model)
         config = model.config.get_text_config()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
