@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from helpers import free_port, healthy, serving, wait_for
-from specdecode import SpeculativeEngine
+from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.loadtest import run_level
 from specdecode.server import create_app
 
@@ -41,7 +41,7 @@ def ray_server(ray_address, tiny_model_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
     args = ["serve", "--ray-address", ray_address, "--replicas", "2", "--target", tiny_model_dir, "--port", str(port)]
-    args += ["--api-key", API_KEY]
+    args += ["--api-key", API_KEY, "--no-response-cache"]  # repeated prompts are decoded (and drafted) again
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "specdecode.cli", *args], stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
@@ -82,7 +82,7 @@ def answers(url: str, model: str, stream: bool) -> list[tuple[str, dict | None]]
 
 
 def test_replicas_answer_greedy_requests_as_the_single_process_server(ray_server, tiny_model_dir):
-    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir, cache=CacheOptions(response_cache=False))
     with serving(create_app(engine, model_name=tiny_model_dir)) as single:
         expected = [text for text, _ in answers(single, tiny_model_dir, stream=False)]
     for stream in (False, True):

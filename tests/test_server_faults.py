@@ -19,7 +19,7 @@ import pytest
 from helpers import SERVED_MODEL as MODEL
 from helpers import SERVER_PROMPT as PROMPT
 from helpers import CrashAt, Gate, healthy, metric, serving, wait_for
-from specdecode import SpeculativeEngine
+from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.server import create_app
 from specdecode.server.faults import RandomFaults
 
@@ -29,7 +29,8 @@ PROMPTS = ["w1 w2 w3", "w4 w5 w4 w5", "w9 w8 w7", "w2 w2 w2 w3", "w10 w11", "w3 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return SpeculativeEngine.from_pretrained(tiny_model_dir)
+    # every request runs the decode loop (a response-cache hit would take no step to fault)
+    return SpeculativeEngine.from_pretrained(tiny_model_dir, cache=CacheOptions(response_cache=False))
 
 
 @pytest.fixture(scope="module")

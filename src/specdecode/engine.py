@@ -202,8 +202,7 @@ class SpeculativeEngine:
             return
         self.cache_note = (
             f"response cache off: {type(self.target_runner).__name__} in {self.target_runner.dtype} "
-            "does not give a sequence the same bits in every batch (only the fast paths in half "
-            "precision on the CPU do)"
+            "does not give a sequence the same bits in every batch (only the fast paths on the CPU do)"
         )
 
     def with_drafter(

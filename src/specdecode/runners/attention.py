@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdecode.runners.projection import onednn_supports
+
 
 def attend(
     q: torch.Tensor,  # [heads, n, d], the new tokens' queries
@@ -31,8 +33,9 @@ def attend(
 
 
 def per_query_by_default(dtype: torch.dtype, device: torch.device) -> bool:
-    """Half precision on the CPU: where one query at a time makes verification exact (tested)."""
-    return dtype != torch.float32 and device.type == "cpu"
+    """On the CPU, where oneDNN runs the products and keeps their rows apart (projection.py):
+    there one query at a time makes verification exact, bit for bit (tested)."""
+    return device.type == "cpu" and onednn_supports(dtype)
 
 
 def _sdpa(

@@ -3,12 +3,11 @@
 Same weights and the same arithmetic as transformers' modeling, without its per-call
 machinery, and shaped for speculative decoding:
 - a static KV cache (static_cache.StaticKVCache): rollback moves a length, copies nothing;
-- fused projections (q|k|v, gate|up): fewer, larger matrix products;
-- optional weight-only int8 for the layers' products (projection.py);
+- fused projections (q|k|v, gate|up): fewer, larger matrix products, each weight kept once,
+  in the layout oneDNN wants (projection.py), or as weight-only int8;
 - logits only for the positions the caller asks for;
-- in half precision on the CPU, verification attends one query at a time, so that a
-  token's logits are bitwise the same whether it is verified among others or decoded
-  alone (see FastLlamaRunner).
+- on the CPU, verification attends one query at a time, so that a token's logits are
+  bitwise the same whether it is verified among others or decoded alone (see FastLlamaRunner).
 
 It implements `runners.base.ModelRunner`; `supports(model)` says when it applies. Outputs
 match transformers' to float rounding (tests/test_fast_runners.py states the tolerance).
@@ -24,15 +23,11 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specdecode.runners.attention import attend, per_query_by_default
-from specdecode.runners.projection import Projection, mkl_packing, projection
+from specdecode.runners.projection import Projection, projection
 from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
-# float32 on CPU: row counts for which the weights are also kept in MKL's packed layout
-# (projection.Projection), each a copy of the weights, made only within PACKING_BUDGET bytes
-PACKED_ROWS = (8, 16)
-PACKING_BUDGET = 4 << 30
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -71,18 +66,18 @@ class FastLlamaRunner(StaticCacheRunner):
     products as weight-only int8 (the embedding and output head stay as they are).
 
     Speculation is lossless only if verifying a token among k others gives the logits that
-    decoding it alone would. In float32 the two differ by float rounding (~1e-6), which
-    flips no greedy choice in our tests and benchmarks. In bfloat16 one rounding step is
-    ~1e-2, and the batched attention kernel rounds differently for 1 and for 5 queries: a
-    speculative run then drifted from target-only decoding on most benchmark prompts. The
-    half-precision products (projection.Projection: oneDNN, in chunks of 32 rows) compute
-    each row the same whatever rows share them, so with `per_query_attention` (on for half
-    precision on the CPU) a verification forward (one that wants every new token's logits)
-    attends one query at a time, exactly as a one-token forward does, and a token's logits
-    no longer depend on the tokens verified with it, nor on the other sequences of a batch
-    (tests/test_fast_runners.py checks both bitwise, with negative controls). Prefills
-    (one logit wanted) keep the batched kernel: one query at a time is ~10x slower for a
-    500-token prompt, and the engine prefills a prompt alone in every mode anyway.
+    decoding it alone would. Other rows in a product or in an attention call can change a
+    row's rounding: in bfloat16 one rounding step is ~1e-2, and a speculative run drifted
+    from target-only decoding on most benchmark prompts while the batched attention kernel
+    rounded 1 and 5 queries differently. On the CPU every product runs on oneDNN
+    (projection.Projection, in chunks of 32 rows), which computes each row the same whatever
+    rows share it, and with `per_query_attention` (on there, in every dtype) a verification
+    forward (one that wants every new token's logits) attends one query at a time, exactly
+    as a one-token forward does. A token's logits then depend neither on the tokens
+    verified with it nor on the other sequences of a batch, bit for bit
+    (tests/test_fast_runners.py checks both, with negative controls). Prefills (one logit
+    wanted) keep the batched kernel: one query at a time is ~10x slower for a 500-token
+    prompt, and the engine prefills a prompt alone in every mode anyway.
     """
 
     stacks_sequences = True
@@ -102,9 +97,8 @@ class FastLlamaRunner(StaticCacheRunner):
         self.embed = model.get_input_embeddings().weight
         self.final_norm = model.model.norm.weight
         # the output head stays in the model's dtype (int8 would cost too much accuracy here)
-        packed_rows = _packed_rows(model, quantization)
-        self.lm_head = projection(model.get_output_embeddings().weight, None, None, packed_rows)
-        self.layers = [_fuse(layer, quantization, packed_rows) for layer in model.model.layers]
+        self.lm_head = projection(model.get_output_embeddings().weight, None, None)
+        self.layers = [_fuse(layer, quantization) for layer in model.model.layers]
         self._rotary = model.model.rotary_emb
         self.per_query_attention = per_query_by_default(self.dtype, self.device)
         self.cache = self.new_cache()
@@ -177,25 +171,17 @@ class FastLlamaRunner(StaticCacheRunner):
         self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
 
 
-def _packed_rows(model: PreTrainedModel, quantization: str | None) -> tuple[int, ...]:
-    weight = model.get_output_embeddings().weight
-    copies_bytes = len(PACKED_ROWS) * sum(p.numel() * p.element_size() for p in model.parameters())
-    if quantization is not None or not mkl_packing(weight) or copies_bytes > PACKING_BUDGET:
-        return ()
-    return PACKED_ROWS
-
-
-def _fuse(layer: torch.nn.Module, quantization: str | None, packed_rows: tuple[int, ...]) -> _Layer:
+def _fuse(layer: torch.nn.Module, quantization: str | None) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     q_k_v = (attn.q_proj, attn.k_proj, attn.v_proj)
     qkv_bias = torch.cat([p.bias for p in q_k_v]) if attn.q_proj.bias is not None else None
     return _Layer(
         attn_norm=layer.input_layernorm.weight.detach(),
-        qkv=projection(torch.cat([p.weight for p in q_k_v]), qkv_bias, quantization, packed_rows),
-        o=projection(attn.o_proj.weight, attn.o_proj.bias, quantization, packed_rows),
+        qkv=projection(torch.cat([p.weight for p in q_k_v]), qkv_bias, quantization),
+        o=projection(attn.o_proj.weight, attn.o_proj.bias, quantization),
         mlp_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization, packed_rows),
-        down=projection(mlp.down_proj.weight, None, quantization, packed_rows),
+        gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization),
+        down=projection(mlp.down_proj.weight, None, quantization),
     )
 
 

@@ -91,9 +91,9 @@ class StaticCacheRunner:
 
     @property
     def batch_invariant(self) -> bool:
-        """Half precision on the CPU, whose verification attends one query at a time and whose
-        products keep rows independent (tests/test_fast_runners.py); float32's MKL products
-        round a row by the rows beside it."""
+        """On the CPU, whose verification attends one query at a time and whose oneDNN products
+        keep rows independent (tests/test_fast_runners.py); elsewhere kernels may round a row
+        by the rows beside it."""
         return self.per_query_attention and onednn_supports(self.dtype)
 
     @property
