@@ -112,7 +112,12 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = SpeculativeEngine.from_pretrained(
-        "smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype, cache=NO_CACHE
+        "smollm2-135m-instruct",
+        drafter="none",
+        device="cpu",
+        dtype=args.dtype,
+        cache=NO_CACHE,
+        keep_model_weights=True,  # the self-quantized drafters copy it
     )
     views = {}
     for name, (drafter, k, adaptive) in drafters(engine, args.k_max, not args.lookup_only).items():

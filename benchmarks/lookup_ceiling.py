@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engine = SpeculativeEngine.from_pretrained(
-        "smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype, cache=NO_CACHE
+        "smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype, cache=NO_CACHE, keep_model_weights=True
     )
     runner, model = engine.target_runner, engine.target_runner.model
     hardware = measure_hardware(model.dtype)

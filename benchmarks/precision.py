@@ -88,7 +88,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/precision.md")
     args = parser.parse_args()
 
-    engine = SpeculativeEngine.from_pretrained(device="cpu", dtype="float32", drafter="none", cache=NO_CACHE)
+    engine = SpeculativeEngine.from_pretrained(
+        device="cpu", dtype="float32", drafter="none", cache=NO_CACHE, keep_model_weights=True
+    )
     model, tokenizer = engine.target_runner.model, engine.tokenizer
     runs = variants(model)
     engines = {name: SpeculativeEngine(runner, tokenizer, None, 0) for name, runner, _ in runs}

@@ -107,7 +107,9 @@ def one(name: str, new_tokens: int, reference: Path | None) -> dict:
     )
     if reference is not None:
         reference_runner = runner_for(
-            SpeculativeEngine.from_pretrained(device="cpu", drafter="none", cache=NO_CACHE).target_runner.model
+            SpeculativeEngine.from_pretrained(
+                device="cpu", drafter="none", cache=NO_CACHE, keep_model_weights=True
+            ).target_runner.model
         )
         float32_greedy = json.loads(reference.read_text())["greedy"]
         pairs = [agreement(model_runner, reference_runner, ids, g) for ids, g in zip(prompts, float32_greedy)]

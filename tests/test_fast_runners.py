@@ -319,3 +319,22 @@ def test_bfloat16_one_row_products_unpadded_would_differ_without_amx():
     weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
     product = quantization.projection(weight, None, None)
     assert one_row_vs_batched_differences(product._onednn_kernel) > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_keeps_one_copy_of_the_weights_and_decodes_as_with_two(tiny_model_dir, dtype):
+    """from_pretrained frees the transformers model's copies of what the fast runner holds in
+    oneDNN's layout; the outputs are those of an engine that kept them, and the model, asked to
+    run, says how to keep it."""
+    released = SpeculativeEngine.from_pretrained(tiny_model_dir, dtype=dtype, drafter="prompt-lookup")
+    kept = SpeculativeEngine.from_pretrained(
+        tiny_model_dir, dtype=dtype, drafter="prompt-lookup", keep_model_weights=True
+    )
+    layer = released.target_runner.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.is_meta and layer.mlp.down_proj.weight.is_meta
+    assert not kept.target_runner.model.model.layers[0].self_attn.q_proj.weight.is_meta
+    assert released.model_fingerprint() == kept.model_fingerprint()  # the caches key the same model
+    ours, theirs = (e.generate(PROMPTS[:2], max_new_tokens=24) for e in (released, kept))
+    assert [r.token_ids for r in ours] == [r.token_ids for r in theirs]
+    with pytest.raises(RuntimeError, match="keep_model_weights=True"):
+        released.target_runner.model(torch.tensor([[1, 2, 3]]))

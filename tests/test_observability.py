@@ -46,7 +46,8 @@ POISONED = "w6 w6 w6"
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return SpeculativeEngine.from_pretrained(tiny_model_dir)
+    # every request runs the decode loop (a response-cache hit would take no step to fault or count)
+    return SpeculativeEngine.from_pretrained(tiny_model_dir, cache=CacheOptions(response_cache=False))
 
 
 def new_client(url: str) -> openai.OpenAI:

@@ -114,6 +114,7 @@ class SpeculativeEngine:
         self.cache_backend = None  # where the response cache and draft store live (open_caches)
         self.decoder = Decoder(self.target_runner, adaptive, self.max_model_len)
         self.response_cache, self.cache_note = None, "no response cache"
+        self._fingerprint: str | None = None
         if response_cache is not None:
             self.use_response_cache(response_cache)
 
@@ -132,6 +133,7 @@ class SpeculativeEngine:
         max_model_len: int | None = None,
         cache: CacheOptions | None = None,
         quantization: str | None = None,
+        keep_model_weights: bool = False,
     ) -> SpeculativeEngine:
         """Load target (and draft) by short name, folder, .gguf file or Hub id; pick the drafter.
 
@@ -146,6 +148,9 @@ class SpeculativeEngine:
         (the output head and embeddings stay in dtype); it then runs on transformers' runner, where
         verification reproduces the quantized model's one-token logits only up to rounding (README,
         "4-bit and 8-bit targets"). None: every weight in dtype.
+        keep_model_weights: the fast runners hold the weights in a layout of their own; by default
+        the transformers model's copies are freed once the drafter is made (one copy in memory,
+        not two), and `target_runner.model` can no longer run. True keeps it runnable.
         """
         options = options or DrafterOptions()
         if isinstance(drafter, str):
@@ -170,6 +175,9 @@ class SpeculativeEngine:
             load = lambda name: load_model(name, device, dtype, trust_remote_code)  # noqa: E731
             drafter = make_drafter(drafter, draft, engine.target_runner, tokenizer, load, runner, options, store)
         engine.drafter = drafter
+        if not keep_model_weights:
+            engine.model_fingerprint()  # read the weights now, for caches opened later
+            engine.target_runner.release_model_weights()
         return engine
 
     def open_caches(self, options: CacheOptions) -> DraftStore | None:
@@ -181,13 +189,20 @@ class SpeculativeEngine:
             raise InvalidArgumentError(
                 f"no Redis answered at --cache-url {options.url}; start it or leave the option out", "cache_url"
             )
-        model = getattr(self.target_runner, "model", None)
-        fingerprint = model_fingerprint(model, type(self.target_runner).__name__, self.tokenizer)
+        fingerprint = self.model_fingerprint()
         if options.response_cache:
             self.use_response_cache(ResponseCache(self.cache_backend, fingerprint, self.target_runner.vocab_size))
         if not options.draft_store:
             return None
         return DraftStore(self.cache_backend, fingerprint, self.target_runner.vocab_size)
+
+    def model_fingerprint(self) -> str:
+        """What the caches key entries by: a digest of the target's weights and what else
+        decides its outputs (cache.model_fingerprint); computed once, while the weights are there."""
+        if self._fingerprint is None:
+            model = getattr(self.target_runner, "model", None)
+            self._fingerprint = model_fingerprint(model, type(self.target_runner).__name__, self.tokenizer)
+        return self._fingerprint
 
     @property
     def adaptive(self) -> bool:

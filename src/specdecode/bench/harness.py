@@ -89,7 +89,14 @@ def load_models(config: BenchConfig) -> tuple[SpeculativeEngine, dict[str, PreTr
     """The target, in an engine without a drafter (systems add their own), and the draft models."""
     no_cache = CacheOptions(response_cache=False, draft_store=False)  # the benchmark times decoding, not caches
     engine = SpeculativeEngine.from_pretrained(
-        config.target, None, "none", 0, device=config.device, dtype=config.dtype, cache=no_cache
+        config.target,
+        None,
+        "none",
+        0,
+        device=config.device,
+        dtype=config.dtype,
+        cache=no_cache,
+        keep_model_weights=True,  # transformers' generate runs it as the baseline
     )
     drafts = {name: load_draft(name, engine, config.device, config.dtype) for name in config.drafts}
     return engine, drafts

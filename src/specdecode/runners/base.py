@@ -34,3 +34,7 @@ class ModelRunner(Protocol):
 
     def crop(self, length: int) -> None:
         """Keep only the first `length` cached positions."""
+
+    def release_model_weights(self) -> None:
+        """Free the transformers model's copies of the weights this runner keeps in a layout of
+        its own, so that they are held once; the model cannot run afterwards."""

@@ -62,6 +62,13 @@ class FastGPT2Runner(StaticCacheRunner):
             len(self.blocks), self.num_heads, self.head_dim, self.max_length, self.dtype, self.device, INITIAL_CAPACITY
         )
 
+    def _copied_modules(self):
+        # GPT-2's head is tied to its token embedding, which stays
+        for module, fused in zip(self.model.transformer.h, self.blocks):
+            pairs = ((module.attn.c_attn, fused.c_attn), (module.attn.c_proj, fused.attn_proj))
+            pairs += ((module.mlp.c_fc, fused.c_fc), (module.mlp.c_proj, fused.mlp_proj))
+            yield from (m for m, p in pairs if p.is_copy)
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         start, n = self.cache.length, token_ids.shape[0]
@@ -94,8 +101,8 @@ class FastGPT2Runner(StaticCacheRunner):
 
 
 def _block(block: torch.nn.Module) -> _Block:
-    def pair(module):
-        return module.weight.detach(), module.bias.detach()
+    def pair(module):  # the parameters themselves (release_model_weights moves them)
+        return module.weight, module.bias
 
     def conv1d(module):  # Conv1D holds W as [in, out]
         return projection(module.weight.t(), module.bias, None)

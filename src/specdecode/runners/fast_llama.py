@@ -165,6 +165,15 @@ class FastLlamaRunner(StaticCacheRunner):
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [heads, sum n_i, d]
         return layer.o(out.transpose(0, 1).reshape(total, self.num_heads * d))
 
+    def _copied_modules(self):
+        for layer, fused in zip(self.model.model.layers, self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            yield from (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)  # fused: new tensors
+            yield from (m for m, p in ((attn.o_proj, fused.o), (mlp.down_proj, fused.down)) if p.is_copy)
+        head = self.model.get_output_embeddings()
+        if self.lm_head.is_copy and head.weight is not self.model.get_input_embeddings().weight:
+            yield head  # a head tied to the embedding stays: the embedding reads it
+
     def _rope_tables(self, length: int) -> None:
         positions = torch.arange(length, device=self.device)[None]
         cos, sin = self._rotary(self.embed[:1][None], positions)  # transformers' own rope tables
@@ -176,10 +185,10 @@ def _fuse(layer: torch.nn.Module, quantization: str | None) -> _Layer:
     q_k_v = (attn.q_proj, attn.k_proj, attn.v_proj)
     qkv_bias = torch.cat([p.bias for p in q_k_v]) if attn.q_proj.bias is not None else None
     return _Layer(
-        attn_norm=layer.input_layernorm.weight.detach(),
+        attn_norm=layer.input_layernorm.weight,  # the parameters themselves (release_model_weights moves them)
         qkv=projection(torch.cat([p.weight for p in q_k_v]), qkv_bias, quantization),
         o=projection(attn.o_proj.weight, attn.o_proj.bias, quantization),
-        mlp_norm=layer.post_attention_layernorm.weight.detach(),
+        mlp_norm=layer.post_attention_layernorm.weight,
         gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization),
         down=projection(mlp.down_proj.weight, None, quantization),
     )

@@ -38,6 +38,9 @@ class HFModelRunner:
     def cache_length(self) -> int:
         return self._length
 
+    def release_model_weights(self) -> None:
+        """Nothing to free: this runner runs the model's own weights."""
+
     def reset(self) -> None:
         self._cache = DynamicCache(config=self.model.config)
         # sliding-window layers must keep past states until cropped, or rollback is impossible

@@ -53,6 +53,11 @@ class Projection:
         return torch.cat([self._onednn(chunk) for chunk in x.split(ONEDNN_INVARIANT_ROWS)])
 
     @property
+    def is_copy(self) -> bool:
+        """Whether the weight is held in a layout of its own (not the tensor it was made from)."""
+        return self.reordered or self.scales is not None
+
+    @property
     def nbytes(self) -> int:
         """Bytes this product keeps (oneDNN's reordered layout holds as many as the plain matrix)."""
         tensors = [t for t in (self.bias, self.scales) if t is not None]
@@ -79,6 +84,7 @@ def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: st
         # share its product (what exact verification and batching need). bfloat16 results
         # are F.linear's bit for bit.
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
+        bias = bias.clone() if bias is not None else None  # all of it apart from the model's tensors
         return Projection(reordered, bias, reordered=True, pad_one_row=not has_amx())
     if quantization is None:
         return Projection(weight, bias)
