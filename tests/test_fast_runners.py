@@ -161,10 +161,10 @@ HALF_DTYPES = [
 
 
 @pytest.mark.parametrize("make", [half_precision_llama, half_precision_gpt2], ids=["llama", "gpt2"])
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_half_precision_verification_gives_each_token_its_logits_decoded_alone(make, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_DTYPES])
+def test_verification_on_the_cpu_gives_each_token_its_logits_decoded_alone(make, dtype):
     runner = make(dtype)
-    assert runner.per_query_attention  # on by default for half precision on the CPU
+    assert runner.per_query_attention  # on by default on the CPU, float32 included (oneDNN products)
     assert verified_differs_from_alone(runner) == 0
 
 
@@ -195,8 +195,8 @@ def batched_differs_from_alone(runner: FastLlamaRunner) -> int:
     return sum(int((a != b).any(dim=-1).sum()) for a, b in zip(alone, together))
 
 
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_half_precision_batches_give_each_sequence_its_logits_alone(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_DTYPES])
+def test_batches_on_the_cpu_give_each_sequence_its_logits_alone(dtype):
     """What makes batched serving answer as one request at a time does. SmolLM2's width:
     narrower products keep their rows apart even past 32 rows, so the control below could
     not fail."""
