@@ -27,6 +27,7 @@ import torch
 
 from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.environment import cpu_name
+from specdecode.bench.profiler import cached_forward_ms
 from specdecode.bench.prompts import load_prompts
 
 NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
@@ -44,19 +45,6 @@ COPY_PROMPTS = [
 def held_out_prompts() -> list[str]:
     prompts = load_prompts()
     return [[p for p in prompts if p.category == c][2].text for c in HELD_OUT]
-
-
-def forward_ms(runner, new_tokens: int, prefix: int = 200, repeats: int = 15) -> float:
-    tokens = torch.arange(1000, 1000 + prefix + new_tokens) % runner.vocab_size
-    runner.reset()
-    runner.forward(tokens[:prefix], 1)
-    times = []
-    for _ in range(repeats + 2):
-        runner.crop(prefix)
-        start = time.perf_counter()
-        runner.forward(tokens[prefix:], new_tokens)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1e3
 
 
 def speed(dtype: str, new_tokens: int) -> dict:
@@ -94,8 +82,8 @@ def speed(dtype: str, new_tokens: int) -> dict:
         dtype=dtype,
         hf=statistics.median(hf[1:]),
         ours=statistics.median(ours[1:]),
-        forward_1=forward_ms(engine.target_runner, 1),
-        forward_5=forward_ms(engine.target_runner, 5),
+        forward_1=cached_forward_ms(engine.target_runner, 1),
+        forward_5=cached_forward_ms(engine.target_runner, 5),
         lookup=statistics.median(lookup),
         identical=f"{identical}/{len(copy_ids)}",
     )

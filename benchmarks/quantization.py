@@ -21,12 +21,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import torch
-
 from specdecode import CacheOptions, DrafterOptions, SpeculativeEngine
+from specdecode.bench.profiler import cached_forward_ms
 from specdecode.runners import runner_for
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,19 +57,6 @@ def weight_bytes(model) -> int:
     return model.get_memory_footprint()
 
 
-def forward_ms(runner, new_tokens: int, prefix: int = 200, repeats: int = 7) -> float:
-    tokens = torch.arange(1000, 1000 + prefix + new_tokens) % runner.vocab_size
-    runner.reset()
-    runner.forward(tokens[:prefix], 1)
-    times = []
-    for _ in range(repeats + 1):
-        runner.crop(prefix)
-        start = time.perf_counter()
-        runner.forward(tokens[prefix:], new_tokens)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1e3
-
-
 def one(name: str, new_tokens: int, reference: Path | None) -> dict:
     """Load one precision in this process and measure it."""
     dtype, quantization, runner = PRECISIONS[name]
@@ -97,8 +82,8 @@ def one(name: str, new_tokens: int, reference: Path | None) -> dict:
         runner=type(model_runner).__name__,
         weight_bytes=weight_bytes(model_runner.model),
         rss_added=after - before,
-        forward_1_ms=forward_ms(model_runner, 1),
-        forward_5_ms=forward_ms(model_runner, 5),
+        forward_1_ms=cached_forward_ms(model_runner, 1),
+        forward_5_ms=cached_forward_ms(model_runner, 5),
         target_only=statistics.median(target_only),
         speculative=statistics.median(speculative),
         identical=f"{identical}/{len(prompts)}",

@@ -53,6 +53,19 @@ def measure_hardware(dtype: torch.dtype = torch.float32, device: str = "cpu") ->
     return Hardware(read_bandwidth=big.numel() * 4 / read, matmul_flops=2 * 1024**3 / product)
 
 
+def cached_forward_ms(runner: ModelRunner, new_tokens: int, prefix: int = 200, repeats: int = 15) -> float:
+    """Median milliseconds of a forward over new_tokens (logits for all) after `prefix` cached tokens."""
+    tokens = torch.arange(1000, 1000 + prefix + new_tokens) % runner.vocab_size
+    runner.reset()
+    runner.forward(tokens[:prefix], 1)
+
+    def forward() -> None:
+        runner.crop(prefix)
+        runner.forward(tokens[prefix:], new_tokens)
+
+    return median_seconds(forward, repeats) * 1e3
+
+
 def _sync(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         torch.cuda.synchronize()
