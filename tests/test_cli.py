@@ -118,7 +118,7 @@ def test_serve_sizes_the_batch_to_the_kv_cache_budget(tiny_model_dir, monkeypatc
     monkeypatch.setattr("specdecode.server.run_server", lambda server_app, host, port: served.append(server_app))
     # 64 tokens x 256 bytes (2 layers, 2 key/value heads of 8 floats, keys and values) = 16 KiB a sequence
     budget = str(5 * 64 * 256 / 2**30)
-    result = serve("--target", tiny_model_dir, "--max-model-len", "64", "--kv-cache-gb", budget)
+    result = serve("--target", tiny_model_dir, "--dtype", "float32", "--max-model-len", "64", "--kv-cache-gb", budget)
     assert result.exit_code == 0, result.output
     (server_app,) = served
     assert server_app.state.worker.decoder.capacity == 5  # --max-batch-size 16 did not fit
@@ -134,7 +134,7 @@ def test_serve_sizes_the_batch_to_the_kv_cache_budget(tiny_model_dir, monkeypatc
     ],
 )
 def test_serve_refuses_a_budget_or_length_that_cannot_work(tiny_model_dir, args, message):
-    result = serve("--target", tiny_model_dir, *args)
+    result = serve("--target", tiny_model_dir, "--dtype", "float32", *args)  # 4-byte cache entries
     assert result.exit_code == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -174,7 +174,8 @@ def test_quantized_target_names_its_precision_and_reproduces_itself(bnb_model_di
 
 
 def test_4bit_self_draft_from_the_command_line(bnb_model_dir):
-    args = ["w1 w2 w3", "--target", bnb_model_dir, "--drafter", "self-quantized", "--draft-quantization", "nf4"]
+    args = ["w1 w2 w3", "--target", bnb_model_dir, "--dtype", "float32", "--drafter", "self-quantized"]
+    args += ["--draft-quantization", "nf4"]
     result = run(*args, "--max-new-tokens", "12", "--compare", "--json")
     assert result.exit_code == 0, result.output
     output = json.loads(result.stdout)

@@ -338,3 +338,29 @@ def test_an_engine_keeps_one_copy_of_the_weights_and_decodes_as_with_two(tiny_mo
     assert [r.token_ids for r in ours] == [r.token_ids for r in theirs]
     with pytest.raises(RuntimeError, match="keep_model_weights=True"):
         released.target_runner.model(torch.tensor([[1, 2, 3]]))
+
+
+def test_auto_dtype_is_bfloat16_only_where_a_fast_path_makes_it_exact_and_fast(monkeypatch):
+    from specdecode.runners import select
+
+    llama = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(select, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    if not quantization.onednn_supports(torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 in this torch build")
+    assert select.auto_dtype(llama, cpu, "auto", None) == torch.bfloat16
+    assert select.auto_dtype(GPT2Config(n_layer=1), cpu, "fast", None) == torch.bfloat16
+    assert select.auto_dtype(llama, cpu, "transformers", None) == torch.float32  # not shown exact there
+    assert select.auto_dtype(llama, cpu, "auto", "nf4") == torch.float32  # bitsandbytes: transformers' runner
+    assert select.auto_dtype(llama, torch.device("cuda"), "auto", None) == torch.float32
+    gelu = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, hidden_act="gelu")
+    assert select.auto_dtype(gelu, cpu, "auto", None) == torch.float32  # no fast path for it
+    monkeypatch.setattr(select, "cpu_flags", lambda: frozenset({"avx2"}))  # bfloat16 emulated: slower
+    assert select.auto_dtype(llama, cpu, "auto", None) == torch.float32
+
+
+def test_from_pretrained_names_the_dtype_auto_chose(tiny_model_dir):
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir, drafter="none")
+    chosen = str(engine.target_runner.dtype).removeprefix("torch.")
+    assert engine.precision == f"{chosen} (--dtype auto)"
+    assert SpeculativeEngine.from_pretrained(tiny_model_dir, dtype="float32", drafter="none").precision == "float32"

@@ -31,7 +31,13 @@ DrafterOption = Annotated[
 ]
 KOption = Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
-DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+DtypeOption = Annotated[
+    str,
+    typer.Option(
+        help="auto (bfloat16 where the CPU multiplies it natively and a fast path makes it exact, "
+        "else float32), float32, bfloat16 or float16."
+    ),
+]
 MaxModelLenOption = Annotated[
     Optional[int],
     typer.Option(help="Most tokens, prompt and generated, a sequence may hold \\[default: the model's context]."),

@@ -30,8 +30,9 @@ from specdecode.drafters.factory import (
     make_drafter,
 )
 from specdecode.errors import InvalidArgumentError, PromptTooLongError
-from specdecode.loading import DEFAULT_TARGET, QUANTIZATIONS, load_model, precision_of
+from specdecode.loading import DEFAULT_TARGET, QUANTIZATIONS, load_config, load_model, precision_of, resolve_device
 from specdecode.runners import ModelRunner, runner_for
+from specdecode.runners.select import auto_dtype
 
 __all__ = ["DRAFTERS", "CacheOptions", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
 
@@ -160,6 +161,10 @@ class SpeculativeEngine:
             raise InvalidArgumentError(
                 f"unknown quantization '{quantization}'; choose one of: {', '.join(QUANTIZATIONS)}", "quantization"
             )
+        chosen = dtype == "auto"
+        if chosen:
+            config = load_config(target, trust_remote_code)
+            dtype = str(auto_dtype(config, resolve_device(device), runner, quantization)).removeprefix("torch.")
         model, tokenizer = load_model(target, device, dtype, trust_remote_code, quantization)
         engine = cls(
             model,
@@ -170,6 +175,8 @@ class SpeculativeEngine:
             adaptive=options.adaptive,
             max_model_len=max_model_len,
         )
+        if chosen:
+            engine.precision += " (--dtype auto)"
         store = engine.open_caches(cache or CacheOptions())
         if isinstance(drafter, str):
             load = lambda name: load_model(name, device, dtype, trust_remote_code)  # noqa: E731

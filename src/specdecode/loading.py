@@ -19,7 +19,14 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from specdecode.errors import InvalidArgumentError, ModelNotFoundError, VocabularyMismatchError
 
@@ -83,10 +90,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        # float32 everywhere until exactness in half precision is shown there: on the CPU the
-        # fast paths make bfloat16 verification exact (tested), but on CUDA nothing yet shows
-        # that verifying k + 1 tokens, or a batch, gives each row the bits of decoding it alone
-        # (benchmarks/gpu_exactness.py checks it on a GPU); --dtype bfloat16 is one flag away
+        # float32, for a model loaded alone: SpeculativeEngine.from_pretrained, which knows the
+        # runner, picks bfloat16 where a fast path makes it exact (runners.select.auto_dtype).
+        # On CUDA nothing yet shows that verifying k + 1 tokens, or a batch, gives each row the
+        # bits of decoding it alone in half precision (benchmarks/gpu_exactness.py checks it)
         return torch.float32
     if dtype not in _DTYPES:
         raise InvalidArgumentError(f"unknown dtype '{dtype}'; use auto, float32, bfloat16 or float16")
@@ -183,6 +190,20 @@ def precision_of(model: torch.nn.Module) -> str:
         f", {str(compute).removeprefix('torch.')} compute" if compute is not None and quantization != "int8" else ""
     )
     return f"{quantization} (bitsandbytes{detail}), {dtype} elsewhere"
+
+
+def load_config(name: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's config alone (what --dtype auto decides on), from where load_model would load it."""
+    source = _local_source(name)
+    local_only = source is not None or not _hub_reachable()
+    try:
+        return AutoConfig.from_pretrained(
+            str(source) if source is not None else name,
+            trust_remote_code=trust_remote_code,
+            local_files_only=local_only,
+        )
+    except OSError as error:
+        raise ModelNotFoundError(_not_found_message(name, local_only, error)) from error
 
 
 def load_model(

@@ -39,7 +39,7 @@ class BenchResult:
     skipped_prompts: list[dict]  # prompts too long for the context window
     costs: ForwardCosts
     measurements: list[Measurement]
-    differences: list[Difference]  # greedy runs: outputs that differ from (a)'s
+    differences: list[Difference]  # greedy runs: outputs that differ from their reference's (quality.py)
     rows: list[Row]
 
 

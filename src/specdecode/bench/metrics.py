@@ -42,7 +42,7 @@ class Row:
     acceptance_by_position: list[float | None] | None = None  # accepted / drafted at each position; None: never drafted
     predicted_speedup: float | None = None  # over (c)
     measured_over_predicted: float | None = None
-    greedy_identical: float | None = None  # fraction of outputs equal to (a)'s; greedy runs only
+    greedy_identical: float | None = None  # fraction equal to the reference's (quality.py); greedy runs only
     perplexity: float | None = None  # mean over outputs; sampling runs only
 
     def to_dict(self) -> dict:

@@ -59,7 +59,7 @@ def render_report(result: BenchResult, plot_files: list[str]) -> str:
         "## Step costs\n\n" + _costs_table(result),
     ]
     if result.config.greedy:
-        sections.append("## Greedy outputs that differ from (a)\n\n" + _differences(result))
+        sections.append("## Greedy outputs that differ from their reference\n\n" + _differences(result))
     if plot_files:
         sections.append("## Plots\n\n" + "\n\n".join(f"![{Path(f).stem}]({f})" for f in plot_files))
     sections.append(_definitions(result.config.greedy))
@@ -67,7 +67,7 @@ def render_report(result: BenchResult, plot_files: list[str]) -> str:
 
 
 def overall_table(rows: list[Row], greedy: bool) -> str:
-    quality = ("identical to (a)", "greedy_identical", "{:.0%}") if greedy else ("perplexity", "perplexity", "{:.2f}")
+    quality = ("identical", "greedy_identical", "{:.0%}") if greedy else ("perplexity", "perplexity", "{:.2f}")
     columns = [
         ("tok/s", "tokens_per_second", "{:.1f}"),
         ("vs (a)", "speedup_vs_a", "{:.2f}x"),
@@ -182,7 +182,9 @@ def _header(result: BenchResult) -> str:
 
 def _definitions(greedy: bool) -> str:
     quality = (
-        "identical to (a): the fraction of outputs equal to (a)'s output for the same prompt, token for token."
+        "identical: the fraction of outputs equal to the reference's output for the same prompt, token for token; "
+        "the reference is (c) for this engine's speculative systems (exact relative to the engine's own "
+        "target-only run) and (a) for the others."
         if greedy
         else "perplexity: exp of the target's mean negative log-likelihood of the generated tokens (temperature 1), "
         "averaged over outputs; systems that sample the target's distribution score alike on average."

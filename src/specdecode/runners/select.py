@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel
+from types import SimpleNamespace
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
 
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import quantization_of
 from specdecode.runners import fast_gpt2, fast_llama
 from specdecode.runners.base import ModelRunner
+from specdecode.runners.cpu import cpu_flags
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.hf import HFModelRunner
+from specdecode.runners.projection import onednn_supports
 
 RUNNERS = ("auto", "fast", "transformers")
 
@@ -50,3 +55,17 @@ def _fast_runner_class(model: PreTrainedModel) -> type | None:
         if module.supports(model):
             return runner_class
     return None
+
+
+def auto_dtype(config: PretrainedConfig, device: torch.device, runner: str, quantization: str | None) -> torch.dtype:
+    """What `--dtype auto` loads: the fastest precision in which speculation is shown exact here.
+    bfloat16 on a CPU that multiplies it natively (AVX512-BF16 or AMX), for models a fast path
+    runs: their verifications and batches give each token its one-token logits bit for bit
+    there (tests/test_fast_runners.py), and bfloat16 reads half the bytes (benchmarks/fast_path.py:
+    75.5 against 51.2 tokens/s on an AMD EPYC with AVX512-BF16). float32 everywhere else:
+    transformers' runner, bitsandbytes and CUDA are not shown exact in half precision, and a
+    CPU without those instructions runs bfloat16 slower than float32."""
+    native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and onednn_supports(torch.bfloat16)
+    if device.type != "cpu" or not native or quantization is not None or runner == "transformers":
+        return torch.float32
+    return torch.bfloat16 if _fast_runner_class(SimpleNamespace(config=config)) is not None else torch.float32
