@@ -351,7 +351,8 @@ def test_auto_dtype_is_bfloat16_only_where_a_fast_path_makes_it_exact_and_fast(m
     assert select.auto_dtype(llama, cpu, "auto", None) == torch.bfloat16
     assert select.auto_dtype(GPT2Config(n_layer=1), cpu, "fast", None) == torch.bfloat16
     assert select.auto_dtype(llama, cpu, "transformers", None) == torch.float32  # not shown exact there
-    assert select.auto_dtype(llama, cpu, "auto", "nf4") == torch.float32  # bitsandbytes: transformers' runner
+    assert select.auto_dtype(llama, cpu, "auto", "nf4") == torch.bfloat16  # 4-bit: bfloat16 compute, rowwise.py
+    assert select.auto_dtype(llama, cpu, "auto", "int8") == torch.float32  # LLM.int8: not shown exact in bfloat16
     assert select.auto_dtype(llama, torch.device("cuda"), "auto", None) == torch.float32
     gelu = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, hidden_act="gelu")
     assert select.auto_dtype(gelu, cpu, "auto", None) == torch.float32  # no fast path for it

@@ -26,8 +26,7 @@ class HFModelRunner:
         # bitsandbytes rounds its layers' inputs: verified rows must get their one-token bits,
         # or speculation drifts from the quantized model's own output (rowwise.py)
         self._rows_exact = quantization_of(model) is not None
-        if self._rows_exact:
-            make_rows_exact(model)
+        self._copied = make_rows_exact(model) if self._rows_exact else []
         config = model.config.get_text_config()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
@@ -39,7 +38,11 @@ class HFModelRunner:
         return self._length
 
     def release_model_weights(self) -> None:
-        """Nothing to free: this runner runs the model's own weights."""
+        """Free the original weights of the layers a bitsandbytes model runs on oneDNN's
+        products (rowwise.make_rows_exact), which hold a copy; the model still runs."""
+        for module in self._copied:
+            module.to("meta")
+        self._copied = []
 
     def reset(self) -> None:
         self._cache = DynamicCache(config=self.model.config)

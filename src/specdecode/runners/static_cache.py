@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import itertools
 from collections.abc import Iterable
 
 import torch
 
+from specdecode.loading import copy_off_file_map
 from specdecode.runners.projection import onednn_supports
 
 
@@ -118,14 +116,8 @@ class StaticCacheRunner:
         itself refuses to run afterwards, saying why."""
         for module in self._copied_modules():
             module.to("meta")
-        # The rest (embeddings, norms) may still lie in the memory map of the file they were
-        # loaded from, which keeps every page read from it resident, freed weights' included
-        # (measured: 513 MB of the default model's float32 file). Copied out, the map is closed.
-        for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
-            if tensor.device.type != "meta":
-                tensor.data = tensor.data.clone()
+        copy_off_file_map(self.model)  # the rest (embeddings, norms) may hold the file's pages
         self.model.register_forward_pre_hook(_refuse_released)
-        _give_freed_memory_back()
 
     def _copied_modules(self) -> Iterable[torch.nn.Module]:
         """The model's modules whose weights this runner holds a copy of."""
@@ -137,12 +129,3 @@ def _refuse_released(module: torch.nn.Module, args: tuple) -> None:
         "this transformers model's layer weights were freed: the fast runner keeps them in its own "
         "layout. Pass keep_model_weights=True to SpeculativeEngine.from_pretrained to run the model too."
     )
-
-
-def _give_freed_memory_back() -> None:
-    """glibc keeps freed heap memory for reuse; malloc_trim returns it to the system, so that
-    the process's memory shows what it holds (a no-op where there is no glibc)."""
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name) if libc_name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
