@@ -93,7 +93,7 @@ def one(name: str, new_tokens: int, reference: Path | None) -> dict:
     if reference is not None:
         reference_runner = runner_for(
             SpeculativeEngine.from_pretrained(
-                device="cpu", drafter="none", cache=NO_CACHE, keep_model_weights=True
+                device="cpu", dtype="float32", drafter="none", cache=NO_CACHE, keep_model_weights=True
             ).target_runner.model
         )
         float32_greedy = json.loads(reference.read_text())["greedy"]
@@ -109,7 +109,7 @@ def self_draft(new_tokens: int) -> list[str]:
     for quantization, adaptive in (("nf4", True), ("nf4", False), ("bfloat16", True), ("bfloat16", False)):
         options = DrafterOptions(adaptive=adaptive, draft_quantization=quantization)
         engine = SpeculativeEngine.from_pretrained(
-            device="cpu", drafter="self-quantized", options=options, cache=NO_CACHE
+            device="cpu", dtype="float32", drafter="self-quantized", options=options, cache=NO_CACHE
         )
         prompts = [engine.encode(p, chat=True) for p in [*PROMPTS, COPY_PROMPT]]
         engine.generate([prompts[0]], max_new_tokens=4)

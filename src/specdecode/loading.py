@@ -213,10 +213,10 @@ def copy_off_file_map(model: torch.nn.Module) -> None:
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if tensor.is_floating_point() and tensor.device.type == "cpu":
             tensor.data = tensor.data.clone()
-    _give_freed_memory_back()
+    give_freed_memory_back()
 
 
-def _give_freed_memory_back() -> None:
+def give_freed_memory_back() -> None:
     """glibc keeps freed heap memory for reuse; malloc_trim returns it to the system, so that
     the process's memory shows what it holds (a no-op where there is no glibc)."""
     libc_name = ctypes.util.find_library("c")

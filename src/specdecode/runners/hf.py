@@ -7,7 +7,7 @@ import contextlib
 import torch
 from transformers import DynamicCache, PreTrainedModel, cache_utils
 
-from specdecode.loading import quantization_of
+from specdecode.loading import give_freed_memory_back, quantization_of
 from specdecode.runners.rowwise import make_rows_exact, verifying
 
 # transformers' linear-attention cache layers (and hybrids): a crop cannot take their
@@ -43,6 +43,7 @@ class HFModelRunner:
         for module in self._copied:
             module.to("meta")
         self._copied = []
+        give_freed_memory_back()
 
     def reset(self) -> None:
         self._cache = DynamicCache(config=self.model.config)
