@@ -14,7 +14,7 @@ import specdecode
 
 PACKAGE = Path(specdecode.__file__).parent
 LAYERS = [
-    ("specdecode.errors",),
+    ("specdecode.errors", "specdecode.cpu"),
     ("specdecode.core",),
     ("specdecode.runners", "specdecode.loading", "specdecode.cache"),
     ("specdecode.drafters",),

@@ -19,7 +19,7 @@ from specdecode.bench.prompts import MT_BENCH_CATEGORIES, default_prompt_file, l
 from specdecode.bench.quality import compare_greedy, first_difference, target_perplexity
 from specdecode.bench.theory import expected_tokens_per_step, per_token_acceptance, predicted_speedup
 from specdecode.cli import app
-from specdecode.runners.cpu import cpu_flags
+from specdecode.cpu import cpu_flags
 
 runner = CliRunner()
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -22,10 +22,10 @@ from transformers import (
 from helpers import GREEDY_PROMPTS as PROMPTS
 from helpers import assert_drafted_and_accepted, hf_greedy, tiny_causal_lm, tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine
+from specdecode.cpu import cpu_flags
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.runners import CachedSequence, HFModelRunner, fast_llama, runner_for, slots
 from specdecode.runners import projection as quantization
-from specdecode.runners.cpu import cpu_flags
 from specdecode.runners.fast_gpt2 import FastGPT2Runner
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.static_cache import StaticKVCache

@@ -31,6 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specdecode.cpu import cpu_flags
 from specdecode.errors import InvalidArgumentError, ModelNotFoundError, VocabularyMismatchError
 
 
@@ -109,15 +110,6 @@ QUANTIZATIONS = ("nf4", "fp4", "int8")  # the target's, through bitsandbytes (--
 # nf4: perplexity +9.0% over float32 with every layer in 4 bits, +3.9% with down_proj kept
 # (bfloat16 elsewhere: weights 150 MB, 28% of float32's; benchmarks/quantization.py).
 FOUR_BIT_KEEPS = ("lm_head", "down_proj")
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where there is none to read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
 def bnb_compute_dtype(device: torch.device) -> torch.dtype:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdecode.runners.cpu import has_amx
+from specdecode.cpu import has_amx
 
 QUANTIZATIONS = (None, "int8")
 ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for; 1-500 rows measured no slower

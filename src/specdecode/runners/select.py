@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from specdecode.cpu import cpu_flags
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import quantization_of
 from specdecode.runners import fast_gpt2, fast_llama
 from specdecode.runners.base import ModelRunner
-from specdecode.runners.cpu import cpu_flags
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.hf import HFModelRunner
 from specdecode.runners.projection import onednn_supports
