@@ -62,11 +62,11 @@ def auto_dtype(config: PretrainedConfig, device: torch.device, runner: str, quan
     bfloat16 on a CPU that multiplies it natively (AVX512-BF16 or AMX), for models a fast path
     runs: their verifications and batches give each token its one-token logits bit for bit
     there (tests/test_fast_runners.py), and bfloat16 reads half the bytes (benchmarks/fast_path.py:
-    75.5 against 51.2 tokens/s on an AMD EPYC with AVX512-BF16). float32 everywhere else:
-    transformers' runner, bitsandbytes and CUDA are not shown exact in half precision, and a
-    CPU without those instructions runs bfloat16 slower than float32. 4-bit bitsandbytes models
-    are the exception on transformers' runner: their layers compute in bfloat16 on such CPUs
-    anyway, and rowwise.py makes their verification exact (tests/test_real_model.py)."""
+    75.5 against 51.2 tokens/s on an AMD EPYC with AVX512-BF16). And bfloat16 for 4-bit
+    bitsandbytes targets there: their layers compute in bfloat16 anyway, and rowwise.py makes
+    their verification exact (tests/test_real_model.py). float32 everywhere else: transformers'
+    runner, LLM.int8 and CUDA are not shown exact in half precision, and a CPU without those
+    instructions runs bfloat16 slower than float32."""
     native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and onednn_supports(torch.bfloat16)
     if device.type != "cpu" or not native:
         return torch.float32
@@ -74,4 +74,5 @@ def auto_dtype(config: PretrainedConfig, device: torch.device, runner: str, quan
         return torch.bfloat16 if quantization in ("nf4", "fp4") else torch.float32
     if runner == "transformers":
         return torch.float32
-    return torch.bfloat16 if _fast_runner_class(SimpleNamespace(config=config)) is not None else torch.float32
+    fast = _fast_runner_class(SimpleNamespace(config=config))  # supports() reads the config alone
+    return torch.bfloat16 if fast is not None else torch.float32
