@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.environment import cpu_name
@@ -100,7 +101,13 @@ def memory(dtype: str) -> dict:
     model = engine.target_runner.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = engine.target_runner.cache.keys
-    return dict(dtype=dtype, weights=weights, added=added, kv_cache=2 * kv.numel() * kv.element_size())
+    # what the tokenizer alone takes: a second copy of it, loaded after the reading above
+    with_engine = _rss()
+    AutoTokenizer.from_pretrained(engine.tokenizer.name_or_path)
+    tokenizer = _rss() - with_engine
+    return dict(
+        dtype=dtype, weights=weights, added=added, kv_cache=2 * kv.numel() * kv.element_size(), tokenizer=tokenizer
+    )
 
 
 def _rss() -> int:
@@ -124,14 +131,17 @@ def report(speeds: list[dict], memories: list[dict], new_tokens: int) -> str:
         )
     lines += [
         "",
-        "| dtype | weights MB | RSS added MB | of which KV cache MB | RSS added / weights | without the KV cache |",
-        "|---|---|---|---|---|---|",
+        "| dtype | weights MB | RSS added MB | of which KV cache MB | of which tokenizer MB | RSS added / weights "
+        "| without the KV cache | without the KV cache and tokenizer |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m in memories:
-        mb = {k: m[k] / 1e6 for k in ("weights", "added", "kv_cache")}
+        mb = {k: m[k] / 1e6 for k in ("weights", "added", "kv_cache", "tokenizer")}
+        model_only = m["added"] - m["kv_cache"] - m["tokenizer"]
         lines.append(
-            f"| {m['dtype']} | {mb['weights']:.0f} | {mb['added']:.0f} | {mb['kv_cache']:.0f} "
-            f"| {m['added'] / m['weights']:.2f}x | {(m['added'] - m['kv_cache']) / m['weights']:.2f}x |"
+            f"| {m['dtype']} | {mb['weights']:.0f} | {mb['added']:.0f} | {mb['kv_cache']:.0f} | {mb['tokenizer']:.0f} "
+            f"| {m['added'] / m['weights']:.2f}x | {(m['added'] - m['kv_cache']) / m['weights']:.2f}x "
+            f"| {model_only / m['weights']:.2f}x |"
         )
     return "\n".join(lines)
 
