@@ -62,7 +62,7 @@ def auto_dtype(config: PretrainedConfig, device: torch.device, runner: str, quan
     bfloat16 on a CPU that multiplies it natively (AVX512-BF16 or AMX), for models a fast path
     runs: their verifications and batches give each token its one-token logits bit for bit
     there (tests/test_fast_runners.py), and bfloat16 reads half the bytes (benchmarks/fast_path.py:
-    75.5 against 51.2 tokens/s on an AMD EPYC with AVX512-BF16). And bfloat16 for 4-bit
+    74.9 against 49.2 tokens/s on an AMD EPYC with AVX512-BF16). And bfloat16 for 4-bit
     bitsandbytes targets there: their layers compute in bfloat16 anyway, and rowwise.py makes
     their verification exact (tests/test_real_model.py). float32 everywhere else: transformers'
     runner, LLM.int8 and CUDA are not shown exact in half precision, and a CPU without those
