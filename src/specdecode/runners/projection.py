@@ -36,7 +36,9 @@ class Projection:
     # oneDNN's one-row kernel may round a row differently from its kernel for 2-32 rows: on an
     # AMD EPYC with AVX512-BF16 and no AMX, products with 1536 inputs gave some rows other bits
     # alone than beside others, depending on the data, while 2 to 32 rows always agreed
-    # (measured; on AMX CPUs 1 to 32 rows agreed). Without AMX one row runs padded to two.
+    # (measured; on AMX CPUs 1 to 32 rows agreed, in bfloat16). Without AMX one row runs padded
+    # to two; float32 too on AMX CPUs, whose AMX tiles do not multiply float32 (its kernels are
+    # the AVX-512 ones measured above), at the cost of a second row of a memory-bound product.
     pad_one_row: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
@@ -85,7 +87,8 @@ def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: st
         # are F.linear's bit for bit.
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
         bias = bias.clone() if bias is not None else None  # all of it apart from the model's tensors
-        return Projection(reordered, bias, reordered=True, pad_one_row=not has_amx())
+        pad = weight.dtype == torch.float32 or not has_amx()
+        return Projection(reordered, bias, reordered=True, pad_one_row=pad)
     if quantization is None:
         return Projection(weight, bias)
     if quantization != "int8":
