@@ -146,9 +146,11 @@ class SpeculativeEngine:
         cache: the response cache and the draft store, in process or on Redis (default: both in
         process; `CacheOptions(response_cache=False, draft_store=False)` for neither).
         quantization: "nf4", "fp4" or "int8" quantizes the target with bitsandbytes as it loads
-        (the output head and embeddings stay in dtype); it then runs on transformers' runner, where
-        verification reproduces the quantized model's one-token logits only up to rounding (README,
-        "4-bit and 8-bit targets"). None: every weight in dtype.
+        (embeddings, output head and, in 4 bits, the MLPs' down projections stay in dtype); it then
+        runs on transformers' runner, exact relative to the quantized model (runners/rowwise.py;
+        README, "4-bit and 8-bit targets"). None: every weight in dtype.
+        dtype "auto": bfloat16 where this CPU multiplies it natively and speculation is exact in
+        it (runners.select.auto_dtype), else float32; `engine.precision` says which.
         keep_model_weights: the fast runners hold the weights in a layout of their own; by default
         the transformers model's copies are freed once the drafter is made (one copy in memory,
         not two), and `target_runner.model` can no longer run. True keeps it runnable.
