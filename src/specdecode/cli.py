@@ -377,6 +377,7 @@ def profile(
     from specdecode.bench.profiler import measure_hardware, profile_forward, render_table
     from specdecode.loading import load_model
     from specdecode.runners import runner_for
+    from specdecode.runners.select import chosen_dtype
 
     console = Console()
     with user_errors():
@@ -387,7 +388,8 @@ def profile(
         runners = ["fast", "transformers"] if runner == "both" else [runner]
         for name in [target] + ([draft] if draft else []):
             with stderr.status(f"Loading {name}"):
-                model, _ = load_model(name, device, dtype)
+                # --dtype auto as generate and serve decide it, for the runner profiled first
+                model, _ = load_model(name, device, chosen_dtype(dtype, name, device, runners[0], None))
             with stderr.status("Measuring memory bandwidth and matrix-product rate"):
                 hardware = measure_hardware(model.dtype, str(model.device))
             console.print(

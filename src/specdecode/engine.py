@@ -30,9 +30,9 @@ from specdecode.drafters.factory import (
     make_drafter,
 )
 from specdecode.errors import InvalidArgumentError, PromptTooLongError
-from specdecode.loading import DEFAULT_TARGET, QUANTIZATIONS, load_config, load_model, precision_of, resolve_device
+from specdecode.loading import DEFAULT_TARGET, QUANTIZATIONS, load_model, precision_of
 from specdecode.runners import ModelRunner, runner_for
-from specdecode.runners.select import auto_dtype
+from specdecode.runners.select import chosen_dtype
 
 __all__ = ["DRAFTERS", "CacheOptions", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
 
@@ -164,9 +164,7 @@ class SpeculativeEngine:
                 f"unknown quantization '{quantization}'; choose one of: {', '.join(QUANTIZATIONS)}", "quantization"
             )
         chosen = dtype == "auto"
-        if chosen:
-            config = load_config(target, trust_remote_code)
-            dtype = str(auto_dtype(config, resolve_device(device), runner, quantization)).removeprefix("torch.")
+        dtype = chosen_dtype(dtype, target, device, runner, quantization, trust_remote_code)
         model, tokenizer = load_model(target, device, dtype, trust_remote_code, quantization)
         engine = cls(
             model,

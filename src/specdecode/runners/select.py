@@ -9,7 +9,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from specdecode.cpu import cpu_flags
 from specdecode.errors import InvalidArgumentError
-from specdecode.loading import quantization_of
+from specdecode.loading import load_config, quantization_of, resolve_device
 from specdecode.runners import fast_gpt2, fast_llama
 from specdecode.runners.base import ModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
@@ -76,3 +76,13 @@ def auto_dtype(config: PretrainedConfig, device: torch.device, runner: str, quan
         return torch.float32
     fast = _fast_runner_class(SimpleNamespace(config=config))  # supports() reads the config alone
     return torch.bfloat16 if fast is not None else torch.float32
+
+
+def chosen_dtype(
+    dtype: str, target: str, device: str, runner: str, quantization: str | None, trust_remote_code: bool = False
+) -> str:
+    """dtype as loading takes it, with "auto" decided by auto_dtype from the target's config."""
+    if dtype != "auto":
+        return dtype
+    config = load_config(target, trust_remote_code)
+    return str(auto_dtype(config, resolve_device(device), runner, quantization)).removeprefix("torch.")
