@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.environment import cpu_name
-from specdecode.bench.profiler import cached_forward_ms
+from specdecode.bench.profiler import cached_forward_ms, rss_bytes
 from specdecode.bench.prompts import load_prompts
 
 NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
@@ -94,25 +94,20 @@ def memory(dtype: str) -> dict:
     """Run in a fresh process (`--memory DTYPE`): RSS added by loading and one short generation."""
     from transformers.models.llama import modeling_llama  # noqa: F401 - imported before the first reading
 
-    before = _rss()
+    before = rss_bytes()
     engine = SpeculativeEngine.from_pretrained(drafter="prompt-lookup", device="cpu", dtype=dtype, cache=NO_CACHE)
     engine.generate(["Say hello."], max_new_tokens=8)
-    added = _rss() - before
+    added = rss_bytes() - before
     model = engine.target_runner.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = engine.target_runner.cache.keys
     # what the tokenizer alone takes: a second copy of it, loaded after the reading above
-    with_engine = _rss()
+    with_engine = rss_bytes()
     AutoTokenizer.from_pretrained(engine.tokenizer.name_or_path)
-    tokenizer = _rss() - with_engine
+    tokenizer = rss_bytes() - with_engine
     return dict(
         dtype=dtype, weights=weights, added=added, kv_cache=2 * kv.numel() * kv.element_size(), tokenizer=tokenizer
     )
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def report(speeds: list[dict], memories: list[dict], new_tokens: int) -> str:

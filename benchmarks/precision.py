@@ -44,14 +44,8 @@ def variants(model):
     """(name, runner, weight bytes a forward reads) for each precision."""
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     int8 = runner_for(model, quantization="int8")
-    int8_bytes = (
-        sum(
-            p.weight.numel() * p.weight.element_size() + p.scales.numel() * 4
-            for layer in int8.layers
-            for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
-        + int8.lm_head.weight.numel() * int8.lm_head.weight.element_size()
-    )
+    products = [p for layer in int8.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    int8_bytes = sum(p.nbytes for p in products) + int8.lm_head.nbytes
     return [
         ("float32", runner_for(model), _bytes(model)),
         ("bfloat16", runner_for(bf16), _bytes(bf16)),

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 from specdecode import CacheOptions, DrafterOptions, SpeculativeEngine
-from specdecode.bench.profiler import cached_forward_ms
+from specdecode.bench.profiler import cached_forward_ms, rss_bytes
 from specdecode.runners import runner_for
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,11 +44,6 @@ PRECISIONS = {
     "fp4, float32 elsewhere": ("float32", "fp4", "auto"),
     "nf4, bfloat16 elsewhere": ("bfloat16", "nf4", "auto"),
 }
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def weight_bytes(model) -> int:

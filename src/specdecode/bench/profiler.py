@@ -9,6 +9,7 @@ Speculative decoding pays when forward(k + 1) costs little more than forward(1).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -64,6 +65,12 @@ def cached_forward_ms(runner: ModelRunner, new_tokens: int, prefix: int = 200, r
         runner.forward(tokens[prefix:], new_tokens)
 
     return median_seconds(forward, repeats) * 1e3
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _sync(x: torch.Tensor) -> torch.Tensor:
