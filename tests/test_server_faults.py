@@ -123,10 +123,12 @@ def test_a_request_in_too_many_crashes_fails_instead_of_looping(engine, expected
 
 
 def test_a_request_past_the_time_limit_gets_a_clear_error(engine):
-    # a step takes 0.5 s, so 100 tokens (at most 5 a step) cannot be done within the 0.2 s limit
+    # a step takes 0.5 s, so 100 tokens (at most 5 a step) cannot be done within the 0.2 s limit; greedy, since
+    # a sampled answer may end at its first step (OpenAI's default temperature is 1)
     with serving(create_app(engine, model_name=MODEL, max_request_seconds=0.2, faults=Gate(10**9, delay=0.5))) as url:
         response = httpx.post(
-            f"{url}/v1/completions", json={"model": MODEL, "prompt": LONG_RUNNING, "max_tokens": 100}, timeout=30
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": LONG_RUNNING, "max_tokens": 100, "temperature": 0},
+            timeout=30,
         )
         assert response.status_code == 504 and response.json()["error"]["code"] == "request_timeout"
         assert "limit" in response.json()["error"]["message"]
