@@ -7,9 +7,10 @@
 3. prompt lookup on copy-type prompts in bfloat16: tokens/s, and whether every output equals
    bfloat16 target-only decoding;
 4. the memory a loaded model adds: RSS after `SpeculativeEngine.from_pretrained` and one short
-   generation, minus RSS before, against the weights' bytes (each dtype in a fresh process).
+   generation, minus RSS before, against the weights' bytes (each dtype in a fresh process);
+5. with --compile, 1-3 again for bfloat16 compiled by torch.compile (compiled before timing).
 
-    .venv/bin/python benchmarks/fast_path.py [--new-tokens 64] [--out benchmarks/results/fast-path.md]
+    .venv/bin/python benchmarks/fast_path.py [--new-tokens 64] [--compile] [--out benchmarks/results/fast-path.md]
 """
 
 from __future__ import annotations
@@ -48,12 +49,17 @@ def held_out_prompts() -> list[str]:
     return [[p for p in prompts if p.category == c][2].text for c in HELD_OUT]
 
 
-def speed(dtype: str, new_tokens: int) -> dict:
+def speed(dtype: str, new_tokens: int, compile: bool = False) -> dict:
     """transformers' generate and this engine's target-only decoding, interleaved per prompt."""
     engine = SpeculativeEngine.from_pretrained(
-        drafter="prompt-lookup", device="cpu", dtype=dtype, cache=NO_CACHE, keep_model_weights=True
+        drafter="prompt-lookup", device="cpu", dtype=dtype, cache=NO_CACHE, keep_model_weights=True, compile=compile
     )
     model = engine.target_runner.model
+    start = time.perf_counter()
+    if compile:  # every size speculation runs (1 to k + 1 tokens) compiles before anything is timed
+        for n in range(1, engine.num_speculative_tokens + 2):
+            cached_forward_ms(engine.target_runner, n, repeats=1)
+    compile_seconds = time.perf_counter() - start
     prompts = [engine.encode(p, chat=True) for p in held_out_prompts()]
     hf, ours = [], []
     eos, engine.eos_token_ids = engine.eos_token_ids, frozenset()  # both decode exactly new_tokens
@@ -80,7 +86,8 @@ def speed(dtype: str, new_tokens: int) -> dict:
         lookup.append(spec.stats.tokens_per_second)
         identical += spec.token_ids == base.token_ids
     return dict(
-        dtype=dtype,
+        dtype=dtype + (", compiled" if compile else ""),
+        compile_seconds=compile_seconds,
         hf=statistics.median(hf[1:]),
         ours=statistics.median(ours[1:]),
         forward_1=cached_forward_ms(engine.target_runner, 1),
@@ -100,13 +107,12 @@ def memory(dtype: str) -> dict:
     added = rss_bytes() - before
     model = engine.target_runner.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = engine.target_runner.cache.keys
     # what the tokenizer alone takes: a second copy of it, loaded after the reading above
     with_engine = rss_bytes()
     AutoTokenizer.from_pretrained(engine.tokenizer.name_or_path)
     tokenizer = rss_bytes() - with_engine
     return dict(
-        dtype=dtype, weights=weights, added=added, kv_cache=2 * kv.numel() * kv.element_size(), tokenizer=tokenizer
+        dtype=dtype, weights=weights, added=added, kv_cache=engine.target_runner.cache.nbytes, tokenizer=tokenizer
     )
 
 
@@ -124,6 +130,9 @@ def report(speeds: list[dict], memories: list[dict], new_tokens: int) -> str:
             f"| {s['dtype']} | {s['hf']:.1f} | {s['ours']:.1f} | {s['ours'] / s['hf']:.2f}x | {s['forward_1']:.1f} "
             f"| {s['forward_5']:.1f} | {s['forward_5'] / s['forward_1']:.2f} | {s['lookup']:.1f} | {s['identical']} |"
         )
+    for s in speeds:
+        if s["compile_seconds"] > 1:
+            lines.append(f"\n{s['dtype']}: compiling sizes 1 to 5 took {s['compile_seconds']:.0f} s before timing.")
     lines += [
         "",
         "| dtype | weights MB | RSS added MB | of which KV cache MB | of which tokenizer MB | RSS added / weights "
@@ -145,6 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/fast-path.md")
+    parser.add_argument("--compile", action="store_true", help="also bfloat16 compiled by torch.compile")
     parser.add_argument("--memory", help=argparse.SUPPRESS)  # internal: one memory reading, as JSON
     args = parser.parse_args()
     if args.memory:
@@ -160,6 +170,8 @@ def main() -> None:
         for d in dtypes
     ]
     speeds = [speed(d, args.new_tokens) for d in dtypes]
+    if args.compile:
+        speeds.append(speed("bfloat16", args.new_tokens, compile=True))
     text = report(speeds, memories, args.new_tokens)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -127,7 +127,8 @@ def test_a_request_past_the_time_limit_gets_a_clear_error(engine):
     # a sampled answer may end at its first step (OpenAI's default temperature is 1)
     with serving(create_app(engine, model_name=MODEL, max_request_seconds=0.2, faults=Gate(10**9, delay=0.5))) as url:
         response = httpx.post(
-            f"{url}/v1/completions", json={"model": MODEL, "prompt": LONG_RUNNING, "max_tokens": 100, "temperature": 0},
+            f"{url}/v1/completions",
+            json={"model": MODEL, "prompt": LONG_RUNNING, "max_tokens": 100, "temperature": 0},
             timeout=30,
         )
         assert response.status_code == 504 and response.json()["error"]["code"] == "request_timeout"

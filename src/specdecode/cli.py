@@ -43,6 +43,13 @@ MaxModelLenOption = Annotated[
     typer.Option(help="Most tokens, prompt and generated, a sequence may hold \\[default: the model's context]."),
 ]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CompileOption = Annotated[
+    bool,
+    typer.Option(
+        help="Run the target compiled by torch.compile (Llama-family fast runner; each forward size "
+        "compiles on first use, about a minute for the default model on 2 CPU cores)."
+    ),
+]
 QuantizationOption = Annotated[
     Optional[str],
     typer.Option(help="Quantize the target with bitsandbytes: nf4, fp4 or int8 \\[default: none]."),
@@ -103,6 +110,7 @@ def generate(
     max_continuation: Annotated[Optional[int], typer.Option(help="Prompt lookup: most tokens copied per step.")] = None,
     lookup_history: Annotated[bool, typer.Option(help="Prompt lookup also searches earlier requests.")] = False,
     quantization: QuantizationOption = None,
+    compile: CompileOption = False,
     draft_quantization: Annotated[
         Optional[str],
         typer.Option(help="self-quantized drafter only: bfloat16, int8, nf4 or fp4 \\[default: bfloat16]."),
@@ -162,6 +170,7 @@ def generate(
                     require_backend=True,
                 ),
                 quantization=quantization,
+                compile=compile,
             )
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
         options = dict(
@@ -370,6 +379,10 @@ def profile(
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     quantize: Annotated[Optional[str], typer.Option(help="int8: weight-only int8 layers (fast runner).")] = None,
+    compile: Annotated[
+        bool,
+        typer.Option(help="Also time the fast runner compiled by torch.compile, 1 and 5 tokens (a minute each)."),
+    ] = False,
     prefix: Annotated[int, typer.Option(help="Cached tokens before the timed forward.")] = 200,
     repeats: Annotated[int, typer.Option(help="Timed forwards per size (the median is shown).")] = 7,
 ) -> None:
@@ -385,6 +398,8 @@ def profile(
             raise InvalidArgumentError("--prefix and --repeats must be at least 1")
         if quantize not in (None, "int8"):
             raise InvalidArgumentError(f"unknown --quantize '{quantize}'; the choice is int8")
+        if compile and runner == "transformers":
+            raise InvalidArgumentError("--compile times the fast runner compiled; use --runner both or fast")
         runners = ["fast", "transformers"] if runner == "both" else [runner]
         for name in [target] + ([draft] if draft else []):
             with stderr.status(f"Loading {name}"):
@@ -404,6 +419,11 @@ def profile(
                     costs = profile_forward(model_runner, model, hardware, prefix=prefix, repeats=repeats)
                 label = type(model_runner).__name__ + (f" {quantize}" if quantize and choice != "transformers" else "")
                 console.print(render_table(f"{name}: {label}, after {prefix} cached tokens", costs))
+                if compile and model_runner.compilable:
+                    model_runner.compile()
+                    with stderr.status(f"Compiling and timing {type(model_runner).__name__}"):
+                        costs = profile_forward(model_runner, model, hardware, (1, 5), prefix, repeats)
+                    console.print(render_table(f"{name}: {label} compiled, after {prefix} cached tokens", costs))
 
 
 def _fast_supported(model) -> bool:

@@ -22,6 +22,8 @@ class ModelRunner(Protocol):
     # declared: a sequence's logits have the same bits whatever shares its forward (other
     # sequences, other verified tokens); what an exact response cache needs
     batch_invariant: bool
+    # declared: compile() makes its forwards run compiled by torch.compile, with the same results
+    compilable: bool
 
     @property
     def cache_length(self) -> int: ...

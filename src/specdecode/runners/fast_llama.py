@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from specdecode.runners.attention import attend, per_query_by_default
 from specdecode.runners.projection import Projection, projection
-from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache
+from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache, append
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
@@ -81,6 +81,13 @@ class FastLlamaRunner(StaticCacheRunner):
     """
 
     stacks_sequences = True
+    compilable = True
+
+    @property
+    def batch_invariant(self) -> bool:
+        # compiled, a sequence alone runs inductor's kernels and a batch the eager ones, which
+        # may round differently (float32 RMS norms did, in the last bit)
+        return super().batch_invariant and self._compiled_layers is None
 
     def __init__(self, model: PreTrainedModel, quantization: str | None = None):
         if not supports(model):
@@ -103,6 +110,7 @@ class FastLlamaRunner(StaticCacheRunner):
         self.per_query_attention = per_query_by_default(self.dtype, self.device)
         self.cache = self.new_cache()
         self._cos = self._sin = torch.empty(0, self.head_dim)
+        self._compiled_layers = None  # compile() sets it
 
     def new_cache(self, capacity: int = INITIAL_CAPACITY) -> StaticKVCache:
         return StaticKVCache(
@@ -131,16 +139,43 @@ class FastLlamaRunner(StaticCacheRunner):
         sin = torch.cat([self._sin[c.length : c.length + n] for c, n in zip(caches, sizes)])
         one_by_one = [self.per_query_attention and m == n for n, m in zip(sizes, num_logits)]
         masks = [None if alone else cache.causal_mask(n) for cache, n, alone in zip(caches, sizes, one_by_one)]
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, caches, sizes, masks)
-            gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+        kv = [(cache.keys, cache.values, cache.length) for cache in caches]
+        compiled = self._compiled_layers is not None and len(caches) == 1 and masks[0] is None
+        x = (self._compiled_layers if compiled else self._layers)(x, cos, sin, kv, sizes, masks)
         for cache, n in zip(caches, sizes):
             cache.advance(n)
         ends = itertools.accumulate(sizes)
         last = torch.cat([x[end - m : end] for end, m in zip(ends, num_logits)])  # [sum num_logits, hidden]
         logits = self.lm_head(_rms_norm(last, self.final_norm, self.eps))
         return list(logits.float().cpu().split(num_logits))
+
+    def compile(self) -> None:
+        """Run one sequence's decoding and verification forwards compiled by torch.compile
+        (inductor). Batches of sequences and prefills stay eager. The first forward of each
+        size compiles: about a minute per size for the default model on 2 cores; inductor keeps
+        the code on disk, so later processes pay less. Exactness holds as in eager: a verified
+        token's logits are bitwise those of decoding it alone, compiled too
+        (tests/test_compiled.py). What it gains: benchmarks/fast_path.py --compile."""
+        # a graph per forward size (1 to k + 1 tokens); the cache length is a symbol in each
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # round every bfloat16 intermediate as eager does: inductor otherwise keeps fused chains
+        # (the residual sums) in float32, and a token's logits would differ from eager decoding's
+        self._compiled_layers = torch.compile(self._layers, dynamic=True, options={"emulate_precision_casts": True})
+
+    def _layers(
+        self,
+        x: torch.Tensor,  # [sum n_i, hidden], the new tokens' embeddings
+        cos: torch.Tensor,  # [sum n_i, head_dim]
+        sin: torch.Tensor,  # [sum n_i, head_dim]
+        kv: list[tuple[list[torch.Tensor], list[torch.Tensor], int]],  # per sequence: keys, values, cached length
+        sizes: list[int],  # n_i
+        masks: list[torch.Tensor | None],  # [n_i, cached_i + n_i] bool; None: each query alone
+    ) -> torch.Tensor:  # [sum n_i, hidden], the last layer's output
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, kv, sizes, masks)
+            gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return x
 
     def _attention(
         self,
@@ -149,9 +184,9 @@ class FastLlamaRunner(StaticCacheRunner):
         h: torch.Tensor,  # [sum n_i, hidden]
         cos: torch.Tensor,  # [sum n_i, head_dim]
         sin: torch.Tensor,  # [sum n_i, head_dim]
-        caches: list[StaticKVCache],
-        sizes: list[int],  # n_i
-        masks: list[torch.Tensor | None],  # [n_i, cached_i + n_i] bool; None: each query alone
+        kv: list[tuple[list[torch.Tensor], list[torch.Tensor], int]],
+        sizes: list[int],
+        masks: list[torch.Tensor | None],
     ) -> torch.Tensor:  # [sum n_i, hidden]
         total, d, heads, kv_heads = h.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = layer.qkv(h).view(total, heads + 2 * kv_heads, d)
@@ -159,9 +194,11 @@ class FastLlamaRunner(StaticCacheRunner):
         q, k = _rope(qkv[:, : heads + kv_heads].transpose(0, 1), cos, sin).split([heads, kv_heads])
         v = qkv[:, heads + kv_heads :].transpose(0, 1)  # q [heads, sum n_i, d]; k, v [kv_heads, sum n_i, d]
         outs = []
-        for cache, q_i, k_i, v_i, mask in zip(caches, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks):
-            keys, values = cache.write(index, k_i, v_i)
-            outs.append(attend(q_i, keys, values, mask))
+        for (keys, values, length), q_i, k_i, v_i, mask in zip(
+            kv, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks
+        ):
+            keys_so_far, values_so_far = append(keys[index], values[index], length, k_i, v_i)
+            outs.append(attend(q_i, keys_so_far, values_so_far, mask))
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [heads, sum n_i, d]
         return layer.o(out.transpose(0, 1).reshape(total, self.num_heads * d))
 

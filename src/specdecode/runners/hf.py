@@ -20,6 +20,7 @@ class HFModelRunner:
 
     stacks_sequences = False
     batch_invariant = False  # transformers' kernels round a row by what shares its product
+    compilable = False
 
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.cpu import has_amx
+from specdecode.runners.opaque import onednn_linear
 
 QUANTIZATIONS = (None, "int8")
 ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for; 1-500 rows measured no slower
@@ -71,7 +72,7 @@ class Projection:
         return self._onednn_kernel(x)
 
     def _onednn_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return onednn_linear(x, self.weight, self.bias)
 
 
 def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None) -> Projection:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from specdecode.loading import copy_off_file_map
+from specdecode.runners.opaque import write_rows
 from specdecode.runners.projection import onednn_supports
 
 
@@ -25,7 +26,10 @@ class StaticKVCache:
         self.max_length, self.dtype, self.device = max_length, dtype, device
         self.length = 0
         self.capacity = 0
-        self.keys = self.values = torch.empty(self.shape, dtype=dtype, device=device)
+        # a tensor per layer, [kv_heads, capacity, head_dim]: a compiled forward writes each in
+        # place (runners/opaque.py), where views of one tensor would be copied whole
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
         self._grow(min(capacity, max_length))
 
     def empty_copy(self, capacity: int, max_length: int | None = None) -> StaticKVCache:
@@ -52,10 +56,7 @@ class StaticKVCache:
         keys: torch.Tensor,  # [kv_heads, n, head_dim], for positions length .. length + n - 1
         values: torch.Tensor,  # [kv_heads, n, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # all keys and values so far: [kv_heads, length + n, head_dim]
-        end = self.length + keys.shape[1]
-        self.keys[layer, :, self.length : end] = keys
-        self.values[layer, :, self.length : end] = values
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
+        return append(self.keys[layer], self.values[layer], self.length, keys, values)
 
     def advance(self, num_new: int) -> None:
         """The positions written by the last forward (every layer) are now cached."""
@@ -78,11 +79,29 @@ class StaticKVCache:
         """New tensors of `capacity` positions (at most max_length, at least length), the cached ones copied."""
         capacity = min(capacity, self.max_length)
         layers, heads, _, dim = self.shape
-        keys = torch.empty(layers, heads, capacity, dim, dtype=self.dtype, device=self.device)
-        values = torch.empty_like(keys)
-        keys[:, :, : self.length] = self.keys[:, :, : self.length]
-        values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values, self.capacity = keys, values, capacity
+        empty = [torch.empty(heads, capacity, dim, dtype=self.dtype, device=self.device) for _ in range(2 * layers)]
+        for new, old in zip(empty, self.keys + self.values):
+            new[:, : self.length] = old[:, : self.length]
+        self.keys, self.values, self.capacity = empty[:layers], empty[layers:], capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for keys and values, every layer."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def append(
+    keys: torch.Tensor,  # [kv_heads, capacity, head_dim], one layer's cache
+    values: torch.Tensor,  # [kv_heads, capacity, head_dim]
+    length: int,  # positions cached before these
+    new_keys: torch.Tensor,  # [kv_heads, n, head_dim], for positions length .. length + n - 1
+    new_values: torch.Tensor,  # [kv_heads, n, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:  # all keys and values so far: [kv_heads, length + n, head_dim]
+    """Write one layer's new keys and values after its cached ones (in place, compiled or not)."""
+    end = length + new_keys.shape[1]
+    write_rows(keys, length, new_keys)
+    write_rows(values, length, new_values)
+    return keys[:, :end], values[:, :end]
 
 
 class StaticCacheRunner:
@@ -90,6 +109,7 @@ class StaticCacheRunner:
 
     cache: StaticKVCache
     stacks_sequences = False  # FastLlamaRunner overrides: it has forward_batch
+    compilable = False  # FastLlamaRunner overrides: it has compile()
     per_query_attention: bool
 
     @property
