@@ -155,7 +155,8 @@ class FastLlamaRunner(StaticCacheRunner):
         size compiles: about a minute per size for the default model on 2 cores; inductor keeps
         the code on disk, so later processes pay less. Exactness holds as in eager: a verified
         token's logits are bitwise those of decoding it alone, compiled too
-        (tests/test_compiled.py). What it gains: benchmarks/fast_path.py --compile."""
+        (tests/test_compiled.py). benchmarks/compiled.py measures what it gains: nothing
+        measurable on a 2-core AMD EPYC, where the products are ~70% of a forward."""
         # a graph per forward size (1 to k + 1 tokens); the cache length is a symbol in each
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # round every bfloat16 intermediate as eager does: inductor otherwise keeps fused chains
