@@ -298,11 +298,11 @@ def test_longrope_is_left_to_transformers():
     assert fast_llama.supports(llama({"rope_type": "dynamic", "factor": 2.0}))
 
 
-def one_row_vs_batched_differences(product, inputs: int = 1536, rows: int = 64) -> int:
+def one_row_vs_batched_differences(product, inputs: int = 1536, rows: int = 64, dtype=torch.bfloat16) -> int:
     """Rows whose bits differ between a product of that row alone and of up to 32 rows with it,
     for a weight of SmolLM2's down projection's shape (the one seen to differ) and random rows."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, inputs, generator=generator).bfloat16()
+    x = torch.randn(rows, inputs, generator=generator).to(dtype)
     alone = torch.cat([product(x[i : i + 1]) for i in range(rows)])
     together = torch.cat([product(chunk) for chunk in x.split(32)])
     return int((alone != together).any(dim=1).sum())
@@ -313,12 +313,28 @@ def test_bfloat16_rows_get_the_same_bits_alone_and_among_others():
     assert one_row_vs_batched_differences(quantization.projection(weight, None, None)) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_products_of_at_most_1024_inputs_run_unpadded_with_the_same_bits(dtype):
+    """Up to 1024 inputs oneDNN's one-row kernel gives a row the bits the many-row kernel gives
+    it, so such products (SmolLM2's q|k|v, o, gate|up and head) skip the padding; beyond, they
+    pad. The negative control is the test below, at 1088 and 1536 inputs."""
+    for inputs in (576, 1024):
+        weight = torch.randn(512, inputs, generator=torch.Generator().manual_seed(1)).to(dtype)
+        product = quantization.projection(weight, None, None)
+        assert not product.pad_one_row
+        assert one_row_vs_batched_differences(product, inputs, rows=256, dtype=dtype) == 0
+    wider = quantization.projection(torch.zeros(512, 1088, dtype=dtype), None, None)
+    assert wider.pad_one_row == (dtype == torch.float32 or not AMX)
+
+
 @pytest.mark.skipif(AMX, reason="measured on a CPU without AMX, whose one-row kernel rounds differently")
-def test_bfloat16_one_row_products_unpadded_would_differ_without_amx():
-    """Negative control of the test above: oneDNN's one-row kernel alone does round differently."""
-    weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inputs", [1088, 1536])
+def test_one_row_products_of_over_1024_inputs_unpadded_would_differ_without_amx(inputs, dtype):
+    """Negative control of the tests above: oneDNN's one-row kernel alone does round differently."""
+    weight = torch.randn(576, inputs, generator=torch.Generator().manual_seed(1)).to(dtype)
     product = quantization.projection(weight, None, None)
-    assert one_row_vs_batched_differences(product._onednn_kernel) > 0
+    assert one_row_vs_batched_differences(product._onednn_kernel, inputs, rows=256, dtype=dtype) > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -20,6 +20,7 @@ from specdecode.runners.opaque import onednn_linear
 QUANTIZATIONS = (None, "int8")
 ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for; 1-500 rows measured no slower
 ONEDNN_INVARIANT_ROWS = 32  # most rows per oneDNN product whose results do not depend on each other
+ONE_ROW_SAME_INPUTS = 1024  # most inputs for which oneDNN's one-row kernel sums as its many-row one
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,15 @@ class Projection:
     scales: torch.Tensor | None = None  # [out], only for an int8 weight
     reordered: bool = False
     # oneDNN's one-row kernel may round a row differently from its kernel for 2-32 rows: on an
-    # AMD EPYC with AVX512-BF16 and no AMX, products with 1536 inputs gave some rows other bits
-    # alone than beside others, depending on the data, while 2 to 32 rows always agreed
-    # (measured; on AMX CPUs 1 to 32 rows agreed, in bfloat16). Without AMX one row runs padded
-    # to two; float32 too on AMX CPUs, whose AMX tiles do not multiply float32 (its kernels are
-    # the AVX-512 ones measured above), at the cost of a second row of a memory-bound product.
+    # AMD EPYC with AVX512-BF16 and no AMX, products of more than 1024 inputs (a guess: its sum
+    # is blocked otherwise beyond that) gave some rows other bits alone than beside others, in bfloat16 depending
+    # on the data (~1e-4 of the outputs), in float32 nearly all; up to 1024 inputs, none of
+    # 262144 outputs differed, for 64 to 1024 inputs, in either dtype (measured, 256 rows, 1 vs
+    # 5 rows a product). On AMX CPUs 1 to 32 rows agreed in bfloat16. So one row runs padded to
+    # two where it has more than 1024 inputs, without AMX, and in float32 also with AMX, whose
+    # tiles do not multiply float32 (its kernels are the AVX-512 ones measured above). Padding
+    # costs a second row of a memory-bound product: a one-row product of SmolLM2's 960 x 576
+    # q|k|v weight took 45 us alone and 61 us padded.
     pad_one_row: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
@@ -88,7 +93,7 @@ def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: st
         # are F.linear's bit for bit.
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
         bias = bias.clone() if bias is not None else None  # all of it apart from the model's tensors
-        pad = weight.dtype == torch.float32 or not has_amx()
+        pad = weight.shape[1] > ONE_ROW_SAME_INPUTS and (weight.dtype == torch.float32 or not has_amx())
         return Projection(reordered, bias, reordered=True, pad_one_row=pad)
     if quantization is None:
         return Projection(weight, bias)
