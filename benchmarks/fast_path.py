@@ -88,6 +88,7 @@ def speed(dtype: str, new_tokens: int, compile: bool = False) -> dict:
     return dict(
         dtype=dtype + (", compiled" if compile else ""),
         compile_seconds=compile_seconds,
+        largest_size=engine.num_speculative_tokens + 1,
         hf=statistics.median(hf[1:]),
         ours=statistics.median(ours[1:]),
         forward_1=cached_forward_ms(engine.target_runner, 1),
@@ -132,7 +133,8 @@ def report(speeds: list[dict], memories: list[dict], new_tokens: int) -> str:
         )
     for s in speeds:
         if s["compile_seconds"] > 1:
-            lines.append(f"\n{s['dtype']}: compiling sizes 1 to 5 took {s['compile_seconds']:.0f} s before timing.")
+            sizes = f"1 to {s['largest_size']}"
+            lines.append(f"\n{s['dtype']}: compiling sizes {sizes} took {s['compile_seconds']:.0f} s before timing.")
     lines += [
         "",
         "| dtype | weights MB | RSS added MB | of which KV cache MB | of which tokenizer MB | RSS added / weights "
