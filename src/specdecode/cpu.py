@@ -18,3 +18,8 @@ def cpu_flags() -> frozenset[str]:
 def has_amx() -> bool:
     """Intel AMX tiles (Sapphire Rapids and later): oneDNN's half-precision products run on them."""
     return "amx_bf16" in cpu_flags()
+
+
+def has_avx512() -> bool:
+    """AVX-512 (AMD Zen 4 and later, most Xeons): oneDNN's float32 and bfloat16 kernels use it."""
+    return "avx512f" in cpu_flags()

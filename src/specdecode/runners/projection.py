@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdecode.cpu import has_amx
+from specdecode.cpu import has_amx, has_avx512
 from specdecode.runners.opaque import onednn_linear
 
 QUANTIZATIONS = (None, "int8")
@@ -42,7 +42,8 @@ class Projection:
     # 262144 outputs differed, for 64 to 1024 inputs, in either dtype (measured, 256 rows, 1 vs
     # 5 rows a product). On AMX CPUs 1 to 32 rows agreed in bfloat16. So one row runs padded to
     # two where it has more than 1024 inputs, without AMX, and in float32 also with AMX, whose
-    # tiles do not multiply float32 (its kernels are the AVX-512 ones measured above). Padding
+    # tiles do not multiply float32 (its kernels are the AVX-512 ones measured above); on CPUs
+    # without AVX-512, whose kernels were not measured, always (_pads_one_row). Padding
     # costs a second row of a memory-bound product: a one-row product of SmolLM2's 960 x 576
     # q|k|v weight took 45 us alone and 61 us padded.
     pad_one_row: bool = False
@@ -93,8 +94,7 @@ def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: st
         # are F.linear's bit for bit.
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
         bias = bias.clone() if bias is not None else None  # all of it apart from the model's tensors
-        pad = weight.shape[1] > ONE_ROW_SAME_INPUTS and (weight.dtype == torch.float32 or not has_amx())
-        return Projection(reordered, bias, reordered=True, pad_one_row=pad)
+        return Projection(reordered, bias, reordered=True, pad_one_row=_pads_one_row(weight))
     if quantization is None:
         return Projection(weight, bias)
     if quantization != "int8":
@@ -103,6 +103,15 @@ def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: st
     scales = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
     quantized = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return Projection(quantized, bias, scales)
+
+
+def _pads_one_row(weight: torch.Tensor) -> bool:  # [out, in]
+    """Whether one row runs padded to two (see Projection.pad_one_row): not in half precision on
+    AMX; with AVX-512 only beyond 1024 inputs; always on CPUs without AVX-512, whose kernels
+    were not measured."""
+    if weight.dtype != torch.float32 and has_amx():
+        return False
+    return weight.shape[1] > ONE_ROW_SAME_INPUTS or not has_avx512()
 
 
 def onednn_layout(weight: torch.Tensor) -> bool:
