@@ -19,9 +19,7 @@ def onednn_linear(
     weight: torch.Tensor,  # [out, in] in oneDNN's layout (torch.ops.mkldnn._reorder_linear_weight)
     bias: torch.Tensor | None,  # [out]
 ) -> torch.Tensor:  # [n, out]
-    if torch.compiler.is_compiling():
-        return _onednn_linear_op(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return (_onednn_linear_op if torch.compiler.is_compiling() else _linear)(x, weight, bias)
 
 
 def write_rows(
@@ -29,15 +27,20 @@ def write_rows(
     start: int,
     rows: torch.Tensor,  # [kv_heads, n, head_dim], for positions start .. start + n - 1
 ) -> None:
-    if torch.compiler.is_compiling():
-        _write_rows_op(cache, start, rows)
-    else:
-        cache[:, start : start + rows.shape[1]] = rows
+    (_write_rows_op if torch.compiler.is_compiling() else _write)(cache, start, rows)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _write(cache: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    cache[:, start : start + rows.shape[1]] = rows
 
 
 @torch.library.custom_op("specdecode::onednn_linear", mutates_args=())
 def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return _linear(x, weight, bias)
 
 
 @_onednn_linear_op.register_fake
@@ -47,7 +50,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 @torch.library.custom_op("specdecode::write_rows", mutates_args=("cache",))
 def _write_rows_op(cache: torch.Tensor, start: int, rows: torch.Tensor) -> None:
-    cache[:, start : start + rows.shape[1]] = rows
+    _write(cache, start, rows)
 
 
 @_write_rows_op.register_fake
