@@ -1,12 +1,13 @@
 # `make run`: set up .venv and generate with the offline default model, speculative vs target-only.
-# `make test`: set up .venv, lint (ruff), and run the whole test suite.
+# `make test`: set up .venv, lint (ruff), build the docs site in strict mode, and run the whole test suite.
+# `make docs`: build the docs site (MkDocs, docs/ and mkdocs.yml) into site/; a broken link or page fails.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model verifies in one pass, so generation gets faster without changing its output.
 
-.PHONY: setup services run lint test clean
+.PHONY: setup services run lint docs test clean
 
 # the real services some tests start on loopback (Redis, Prometheus): Debian's packages,
 # installed once as root; the embedded default (`make run`) needs neither
@@ -41,7 +42,12 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
-test: setup lint
+# strict: a warning (a broken link or anchor, a page missing from the nav) is an error;
+# NO_MKDOCS_2_WARNING silences the Material theme's banner about its successor, which is no warning of ours
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+test: setup lint docs
 	$(BIN)/python -m pytest -n 2 --dist loadgroup  # the Ray tests share one worker (one cluster)
 
 clean:
