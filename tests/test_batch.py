@@ -70,3 +70,61 @@ def test_bad_batch_input_exits_2_with_one_line(tmp_path, tiny_model_dir):
         cli_app, ["batch", str(twice), "--output", str(tmp_path / "o"), "--target", tiny_model_dir]
     )
     assert result.exit_code == 2 and "appears twice" in result.output
+
+
+def write_lines(path, records: list[dict], separator: str = "\n") -> None:
+    """Input lines as a user's tool may write them: UTF-8, not ASCII-escaped."""
+    path.write_bytes(separator.join(json.dumps(r, ensure_ascii=False) for r in records).encode() + b"\n")
+
+
+def test_a_streamed_line_gets_its_own_error_and_the_run_goes_on(tmp_path, tiny_model_dir):
+    streamed = lines(tiny_model_dir)[0] | {"custom_id": "streamed"}
+    streamed["body"] = streamed["body"] | {"stream": True}
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(source, [streamed, lines(tiny_model_dir)[1]])
+    args = ["batch", str(source), "--output", str(output), "--target", tiny_model_dir]
+    result = CliRunner().invoke(cli_app, args)
+    assert result.exit_code == 0, result.output
+    records = {r["custom_id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    assert sorted(records) == ["c2", "streamed"]
+    error = records["streamed"]["error"]
+    assert records["streamed"]["response"] is None and error["code"] == "invalid_request"
+    assert error["param"] == "stream" and "stream" in error["message"], error
+    assert records["c2"]["response"]["status_code"] == 200
+
+
+def test_line_separators_inside_json_strings_do_not_split_a_line(tmp_path, tiny_model_dir):
+    """U+2028, U+2029, U+0085 and the like are legal, unescaped, inside a JSON string; only
+    '\\n' (or '\\r\\n') ends a line of JSONL."""
+    separators = "\u2028\u2029\u0085\x1c\x1d\x1e\x0b\x0c"
+    first, second = lines(tiny_model_dir)[:2]
+    first = first | {"body": first["body"] | {"prompt": f"w1 w2{separators}w3 w1"}}
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(source, [first, second], separator="\r\n")  # written on Windows
+    result = CliRunner().invoke(cli_app, ["batch", str(source), "--output", str(output), "--target", tiny_model_dir])
+    assert result.exit_code == 0, result.output
+    records = {r["custom_id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    assert sorted(records) == ["c1", "c2"], sorted(records)
+    assert [r["response"]["status_code"] for r in records.values()] == [200, 200]
+
+
+def test_a_resumed_run_parses_each_finished_line_once(tmp_path, tiny_model_dir, monkeypatch):
+    """Resuming reads the output once, not once per input line (which was quadratic)."""
+    finished, request = 300, lines(tiny_model_dir)[0]
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(source, [request | {"custom_id": f"r{i}"} for i in range(finished + 2)])
+    done = [{"id": f"batch_req_{i}", "custom_id": f"r{i}", "response": None, "error": None} for i in range(finished)]
+    output.write_text("".join(json.dumps(record) + "\n" for record in done))
+    parses, loads = [], json.loads
+
+    def counting(text, *args, **kwargs):
+        if '"batch_req_' in str(text):  # a line of the output, not of the input
+            parses.append(text)
+        return loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counting)
+    result = CliRunner().invoke(cli_app, ["batch", str(source), "--output", str(output), "--target", tiny_model_dir])
+    assert result.exit_code == 0 and "2 answered" in result.output, result.output
+    assert len(parses) <= finished, f"{len(parses)} parses of {finished} finished lines"
+    ids = [loads(text)["custom_id"] for text in output.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(finished + 2))

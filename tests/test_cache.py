@@ -52,6 +52,7 @@ from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.server import create_app
 
 PROMPTS = [[3, 5, 7, 2], [1, 1, 4, 9, 16, 9, 4], [20, 3, 20, 3, 20]]
+PASSWORD = "hunter2-not-for-logs"
 
 
 def engine_with_caches(
@@ -97,7 +98,7 @@ def test_the_store_forgets_its_oldest_sequences_past_its_bound():
 
 def test_records_that_are_not_sequences_of_this_vocabulary_are_skipped():
     class Log(InProcessBackend):
-        def read(self, log):
+        def read(self, log, **bounds):
             return [
                 b"\x01\x02\x03",
                 b"",
@@ -320,9 +321,10 @@ def test_a_streamed_request_is_answered_from_the_cache_too(bf16_model):
 
 
 def test_serve_with_an_unreachable_redis_warns_and_serves(tiny_model_dir):
+    """...and its warnings (no Redis answers; without a key the Redis must be trusted) never show the password."""
     port = free_port()
     command = [sys.executable, "-m", "specdecode.cli", "serve", "--target", tiny_model_dir, "--port", str(port)]
-    command += ["--cache-url", f"redis://127.0.0.1:{free_port()}/0"]
+    command += ["--cache-url", f"redis://user:{PASSWORD}@127.0.0.1:{free_port()}/0"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: healthy(f"http://127.0.0.1:{port}"), timeout=60)
@@ -333,7 +335,8 @@ def test_serve_with_an_unreachable_redis_warns_and_serves(tiny_model_dir):
     finally:
         server.terminate()
         output = server.communicate(timeout=30)[0]
-    assert "warning: no Redis answers" in output
+    assert "warning: no Redis answers" in output and "must be trusted" in output
+    assert PASSWORD not in output and "user:***@127.0.0.1" in output, output
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -175,7 +175,7 @@ def test_quantized_target_names_its_precision_and_reproduces_itself(bnb_model_di
 
 def test_4bit_self_draft_from_the_command_line(bnb_model_dir):
     args = ["w1 w2 w3", "--target", bnb_model_dir, "--dtype", "float32", "--drafter", "self-quantized"]
-    args += ["--draft-quantization", "nf4"]
+    args += ["--draft-quantization", "nf4", "--fixed-k"]  # adaptive k follows the clock
     result = run(*args, "--max-new-tokens", "12", "--compare", "--json")
     assert result.exit_code == 0, result.output
     output = json.loads(result.stdout)

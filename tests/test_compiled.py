@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from typer.testing import CliRunner
 
 from helpers import assert_drafted_and_accepted
-from specdecode import CacheOptions, SpeculativeEngine
+from specdecode import CacheOptions, DrafterOptions, SpeculativeEngine
 from specdecode.cli import app
 from specdecode.errors import InvalidArgumentError
 from test_fast_runners import half_precision_llama, verified_differs_from_alone
@@ -30,8 +30,14 @@ def test_compiled_verification_gives_each_token_its_logits_decoded_alone(dtype):
 
 
 def test_a_compiled_engine_speculates_exactly(tiny_model_dir):
+    # k fixed: adaptive k, timing each size as it compiled, switched drafting off on a busy machine
     engine = SpeculativeEngine.from_pretrained(
-        tiny_model_dir, drafter="prompt-lookup", num_speculative_tokens=3, compile=True, cache=CacheOptions()
+        tiny_model_dir,
+        drafter="prompt-lookup",
+        num_speculative_tokens=3,
+        compile=True,
+        cache=CacheOptions(),
+        options=DrafterOptions(adaptive=False),
     )
     assert engine.precision.endswith("compiled") and engine.response_cache is None
     prompts = ["w1 w2 w3 w1 w2 w3 w1 w2", "w5 w6 w5 w6 w5", "w9 w8 w7 w9 w8"]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import hf_greedy, nearby_draft, permuted_vocabulary, tiny_llama, tiny_tokenizer
+from helpers import adapting_on_acceptance, hf_greedy, nearby_draft, permuted_vocabulary, tiny_llama, tiny_tokenizer
 from specdecode import SpeculativeEngine
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import AutoDrafter, CrossTokenizerDrafter, ModelDrafter, PromptLookupDrafter
@@ -101,10 +101,11 @@ def test_auto_tries_its_candidates_in_order_and_records_the_source():
     assert sum(d for d, _ in stats.drafted_by_source.values()) == stats.drafted_tokens
 
 
-def test_adaptive_auto_gives_up_a_useless_draft_model():
+def test_adaptive_auto_gives_up_a_useless_draft_model(monkeypatch):
     target = tiny_llama(seed=1)
     useless = ModelDrafter(HFModelRunner(tiny_llama(seed=99)))
     engine = SpeculativeEngine(target, drafter=useless, num_speculative_tokens=4, adaptive=True)
+    adapting_on_acceptance(engine, monkeypatch)  # costs frozen: acceptance, not the clock, decides
     stats = engine.generate([[3, 5, 7, 2]], max_new_tokens=60)[0].stats
     assert stats.k_policy == "adaptive"
     assert stats.drafted_histogram.get(0, 0) > stats.target_forwards / 2  # mostly target-only steps

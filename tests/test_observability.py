@@ -46,8 +46,12 @@ POISONED = "w6 w6 w6"
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    # every request runs the decode loop (a response-cache hit would take no step to fault or count)
-    return SpeculativeEngine.from_pretrained(tiny_model_dir, cache=CacheOptions(response_cache=False))
+    # every request runs the decode loop (a response-cache hit would take no step to fault or count);
+    # k fixed: adaptive k follows the clock, and on a busy machine it may stop drafting
+    from specdecode import DrafterOptions
+
+    options = DrafterOptions(adaptive=False)
+    return SpeculativeEngine.from_pretrained(tiny_model_dir, cache=CacheOptions(response_cache=False), options=options)
 
 
 def new_client(url: str) -> openai.OpenAI:
@@ -209,6 +213,75 @@ def test_a_response_cache_hit_has_no_prefill_or_decode_span(tiny_model_dir):
     assert {s.name for s in trace["all"]} == {"POST /v1/completions", generation.name, "queue"}
 
 
+CAPTURE_CONTENT = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+
+
+def span_strings(spans) -> str:
+    """Every string a backend would receive of these spans: names, attribute values, event
+    names and attributes, status descriptions."""
+
+    def values(attributes) -> list[str]:
+        found = []
+        for value in (attributes or {}).values():
+            found += [str(v) for v in value] if isinstance(value, tuple | list) else [str(value)]
+        return found
+
+    strings = []
+    for span in spans:
+        strings += [span.name, span.status.description or ""] + values(span.attributes)
+        for event in span.events:
+            strings += [event.name] + values(event.attributes)
+    return "\n".join(strings)
+
+
+def content_trace(engine, exporter, body: dict, route: str = "/v1/completions") -> tuple[httpx.Response, dict]:
+    exporter.clear()
+    with serving(create_app(engine, model_name=MODEL, tracing=Tracing.to(exporter, batch=False))) as url:
+        response = httpx.post(f"{url}{route}", json={"model": MODEL} | body, timeout=30)
+        return response, trace_of(exporter, route)
+
+
+def test_spans_hold_no_request_or_response_content_unless_the_operator_opts_in(engine, monkeypatch):
+    """The GenAI conventions' rule: prompts, completions and errors that quote them are opt-in
+    content (OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT), never sent by default."""
+    monkeypatch.delenv(CAPTURE_CONTENT, raising=False)
+    bad_ids, prompt = [17, 999, 23], "w7 w3 w9 w5"
+    exporter = InMemorySpanExporter()
+    refused, trace = content_trace(engine, exporter, {"prompt": bad_ids})
+    assert refused.status_code == 400 and "999" in refused.json()["error"]["message"]  # the client is told
+    generation = trace[f"text_completion {MODEL}"]
+    assert generation.attributes["error.type"] == "InvalidArgumentError"
+    exported = span_strings(trace["all"])
+    assert "999" not in exported, exported
+    served, trace = content_trace(engine, exporter, {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+    text = served.json()["choices"][0]["text"]
+    exported = span_strings(trace["all"])
+    assert len(text.split()) > 2 and text not in exported and prompt not in exported, exported
+    assert "gen_ai.input.messages" not in trace[f"text_completion {MODEL}"].attributes
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0}
+    served, trace = content_trace(engine, exporter, chat, "/v1/chat/completions")
+    answer = served.json()["choices"][0]["message"]["content"]
+    exported = span_strings(trace["all"])
+    assert answer not in exported and prompt not in exported, exported
+
+    # opted in: the messages as the conventions record them, and the errors as they were raised
+    monkeypatch.setenv(CAPTURE_CONTENT, "true")
+    _, trace = content_trace(engine, exporter, {"prompt": bad_ids})
+    assert "999" in trace[f"text_completion {MODEL}"].status.description
+    _, trace = content_trace(engine, exporter, {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+    attributes = trace[f"text_completion {MODEL}"].attributes
+    (given,) = json.loads(attributes["gen_ai.input.messages"])
+    assert given["role"] == "user" and given["parts"] == [{"type": "text", "content": prompt}]
+    (output,) = json.loads(attributes["gen_ai.output.messages"])
+    assert output["parts"] == [{"type": "text", "content": text}] and output["finish_reason"] == "length"
+    _, trace = content_trace(engine, exporter, chat, "/v1/chat/completions")
+    attributes = trace[f"chat {MODEL}"].attributes
+    assert json.loads(attributes["gen_ai.input.messages"]) == [
+        {"role": "user", "parts": [{"type": "text", "content": prompt}]}
+    ]
+    assert json.loads(attributes["gen_ai.output.messages"])[0]["parts"][0]["content"] == answer
+
+
 def redis_spans(spans) -> list:
     return [s for s in spans if s.attributes.get("db.system") == "redis"]
 
@@ -242,9 +315,10 @@ def test_redis_calls_are_client_spans_in_the_trace_of_the_request_that_made_them
             exporter.clear()
             greedy(new_client(url), PROMPTS[4])
             moved = trace_of(newer, "/v1/completions")
-    # a miss: the lookup (GET) and the draft store's sync (XRANGE) on admission, and at the end
-    # the finished sequence shared (XADD) and the answer stored (SET)
-    assert sorted(s.name for s in redis_spans(first["all"])) == ["GET", "SET", "XADD", "XRANGE"]
+    # a miss: the lookup (GET) and the draft store's sync on admission (EVAL: a script on the
+    # Redis that reads the log and leaves out records past the size bound), and at the end the
+    # finished sequence shared (XADD) and the answer stored (SET)
+    assert sorted(s.name for s in redis_spans(first["all"])) == ["EVAL", "GET", "SET", "XADD"]
     # a hit: the lookup alone, in the second request's trace; no Redis span outside a request's trace
     assert [s.name for s in redis_spans(again["all"])] == ["GET"] and outside == []
     for trace in (first, again):

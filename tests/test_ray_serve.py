@@ -42,6 +42,7 @@ def ray_server(ray_address, tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
     args = ["serve", "--ray-address", ray_address, "--replicas", "2", "--target", tiny_model_dir, "--port", str(port)]
     args += ["--api-key", API_KEY, "--no-response-cache"]  # repeated prompts are decoded (and drafted) again
+    args += ["--fixed-k"]  # adaptive k follows the clock: on a busy machine it may stop drafting (nothing accepted)
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "specdecode.cli", *args], stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
@@ -129,7 +130,8 @@ def openai_metrics(url: str) -> dict[str, float]:
     """Tokens generated per replica, from one scrape of /metrics (answered by any replica)."""
     import httpx
 
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    # the server has an API key: /metrics needs it too (serve --metrics-without-key opens it)
+    text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {API_KEY}"}, timeout=30).text
     found = re.findall(r'^specdecode:generation_tokens_total\{replica="([^"]+)"\} (\S+)$', text, re.MULTILINE)
     return {replica: float(value) for replica, value in found}
 

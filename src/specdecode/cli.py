@@ -65,6 +65,13 @@ ResponseCacheOption = Annotated[
 ]
 DraftStoreOption = Annotated[bool, typer.Option(help="Earlier requests' text drafts (drafters suffix and auto).")]
 CacheMaxMbOption = Annotated[int, typer.Option(help="Memory of the in-process cache, in MB.")]
+CacheSecretFileOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="A file holding the key that signs the shared caches' entries, so that only its holders can "
+        "write what is served \\[default: $SPECDECODE_CACHE_SECRET; neither: the Redis must be trusted]."
+    ),
+]
 RayOption = Annotated[
     bool, typer.Option("--ray", help="Run on Ray: replicas of the engine (pip install specdecode[ray]).")
 ]
@@ -86,6 +93,23 @@ def user_errors() -> Iterator[None]:
     except SpecDecodeError as error:
         stderr.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+
+
+def _cache_secret(path: str | None) -> str | None:
+    """The key in --cache-secret-file (its first line), read here so that it is never on a command
+    line; else $SPECDECODE_CACHE_SECRET's, resolved here so that Ray replicas get it with the spec."""
+    if path is None:
+        import os
+
+        return os.environ.get("SPECDECODE_CACHE_SECRET") or None
+    try:
+        with open(path, encoding="utf-8") as file:
+            secret = file.readline().strip()
+    except OSError as error:
+        raise InvalidArgumentError(f"--cache-secret-file {path}: cannot read it ({error.strerror})") from None
+    if not secret:
+        raise InvalidArgumentError(f"--cache-secret-file {path} is empty; write the key on its first line")
+    return secret
 
 
 @app.callback()
@@ -140,6 +164,7 @@ def generate(
     response_cache: ResponseCacheOption = True,
     draft_store: DraftStoreOption = True,
     cache_max_mb: CacheMaxMbOption = 256,
+    cache_secret_file: CacheSecretFileOption = None,
 ) -> None:
     """Generate text with speculative decoding and print it with its stats."""
     from specdecode.engine import CacheOptions, DrafterOptions, SpeculativeEngine
@@ -168,6 +193,7 @@ def generate(
                     draft_store and not compare,
                     cache_max_mb,
                     require_backend=True,
+                    secret=_cache_secret(cache_secret_file),
                 ),
                 quantization=quantization,
                 compile=compile,
@@ -330,10 +356,19 @@ def _check_arguments(prompt: str, k: int, max_new_tokens: int, params: SamplingP
     """Checks that need no model, so mistakes are reported before a slow load."""
     if not prompt.strip():
         raise InvalidArgumentError("the prompt is empty; give some text to continue")
-    if k < 0:
-        raise InvalidArgumentError(f"-k must be >= 0 (0 = target-only decoding), got {k}")
+    _check_k(k)
     if max_new_tokens < 1:
         raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+
+
+def _check_k(k: int) -> None:
+    """-k within the engine's bound, before a slow load (the engine checks it again)."""
+    from specdecode.core.adaptive import MAX_SPECULATIVE_TOKENS
+
+    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidArgumentError(
+            f"-k must be >= 0 (0 = target-only decoding) and at most {MAX_SPECULATIVE_TOKENS}, got {k}"
+        )
 
 
 def _check_max_model_len(max_model_len: int | None) -> None:
@@ -438,11 +473,21 @@ def serve(
     draft: DraftOption = None,
     drafter: DrafterOption = "auto",
     k: KOption = 4,
+    adaptive: Annotated[
+        bool, typer.Option("--adaptive/--fixed-k", help="Choose k per step from measured acceptance and costs.")
+    ] = True,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[
-        Optional[str], typer.Option(envvar="SPECDECODE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
+        Optional[str],
+        typer.Option(
+            envvar="SPECDECODE_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on every route but /health (/docs and /redoc are off).",
+        ),
     ] = None,
+    metrics_without_key: Annotated[
+        bool, typer.Option("--metrics-without-key", help="With --api-key: serve /metrics without the key too.")
+    ] = False,
     max_waiting: Annotated[int, typer.Option(help="Queued requests beyond the running batch before 429.")] = 64,
     max_batch_size: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 16,
     max_model_len: MaxModelLenOption = None,
@@ -466,6 +511,7 @@ def serve(
     response_cache: ResponseCacheOption = True,
     draft_store: DraftStoreOption = True,
     cache_max_mb: CacheMaxMbOption = 256,
+    cache_secret_file: CacheSecretFileOption = None,
     otel_console: Annotated[
         bool,
         typer.Option(
@@ -502,12 +548,16 @@ def serve(
             raise InvalidArgumentError(f"--max-request-seconds must be positive, got {max_request_seconds}")
         if kv_cache_gb is not None and not kv_cache_gb > 0:
             raise InvalidArgumentError(f"--kv-cache-gb must be positive, got {kv_cache_gb}")
+        _check_k(k)
         _check_max_model_len(max_model_len)
         # a Redis that does not answer yet is not fatal here: the server starts on its own cache
-        cache = CacheOptions(cache_url, response_cache, draft_store, cache_max_mb)
+        cache = CacheOptions(
+            cache_url, response_cache, draft_store, cache_max_mb, secret=_cache_secret(cache_secret_file)
+        )
         spec = ServerSpec(
             target, draft, drafter, k, device, dtype, max_model_len, quantization, cache, api_key, max_waiting,
-            max_batch_size, max_request_seconds, kv_cache_gb, otel_console,
+            max_batch_size, max_request_seconds, kv_cache_gb, otel_console, metrics_without_key=metrics_without_key,
+            adaptive=adaptive,
         )  # fmt: skip
         if ray or ray_address:
             if inject_faults:
@@ -519,7 +569,10 @@ def serve(
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
             engine = spec.engine()
             if cache_url is not None and not engine.cache_backend.ping():  # not fatal: it may come up later
-                stderr.print(f"warning: no Redis answers at {cache_url}; caching in this process until one does")
+                from specdecode.cache.backends import mask_password
+
+                masked = mask_password(cache_url)
+                stderr.print(f"warning: no Redis answers at {masked}; caching in this process until one does")
         server_app = spec.app(engine, start_worker=False, faults=faults)
     sizes = f"max_model_len {engine.max_model_len}, up to {server_app.state.worker.decoder.capacity} requests at once"
     stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes})" + (" (API key required)" if api_key else ""))
@@ -638,6 +691,9 @@ def batch(
     draft: DraftOption = None,
     drafter: DrafterOption = "auto",
     k: KOption = 4,
+    adaptive: Annotated[
+        bool, typer.Option("--adaptive/--fixed-k", help="Choose k per step from measured acceptance and costs.")
+    ] = True,
     concurrency: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 8,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -650,7 +706,7 @@ def batch(
     from pathlib import Path
 
     from specdecode.bench.progress import bench_progress
-    from specdecode.server.batch import done_ids, read_requests, run_batch
+    from specdecode.server.batch import pending, read_requests, run_batch
     from specdecode.server.spec import ServerSpec
 
     with user_errors():
@@ -659,14 +715,16 @@ def batch(
             raise InvalidArgumentError(f"no input file at {input}")
         if concurrency < 1:
             raise InvalidArgumentError(f"--concurrency must be at least 1, got {concurrency}")
+        _check_k(k)
         on_ray = ray or ray_address is not None
         if on_ray:
             from specdecode.server import ray_cluster
 
             ray_cluster.check_replicas(replicas, replica_cpus)
         lines = read_requests(source)
-        left = len([line for line in lines if line["custom_id"] not in done_ids(destination)])
-        spec = ServerSpec(target, draft, drafter, k, device, dtype).with_batch_size(concurrency)
+        todo = pending(lines, destination)  # the output is read once: resuming stays linear
+        left = len(todo)
+        spec = ServerSpec(target, draft, drafter, k, device, dtype, adaptive=adaptive).with_batch_size(concurrency)
         if on_ray:
             ray_cluster.connect(ray_address)
             ray_cluster.check_fits(replicas, replica_cpus)
@@ -675,14 +733,14 @@ def batch(
             description = f"{replicas} Ray actors; {len(lines) - left} done before"
 
             def answer_all(advance):
-                return run_batch_on_ray(spec, lines, destination, replicas, replica_cpus, advance)
+                return run_batch_on_ray(spec, todo, destination, replicas, replica_cpus, advance)
         else:
             with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
                 server_app = spec.app()
             description = f"{len(lines) - left} of {len(lines)} done before"
 
             def answer_all(advance):
-                return run_batch(server_app, lines, destination, concurrency, advance)
+                return run_batch(server_app, todo, destination, concurrency, advance)
 
         with bench_progress(stderr) as progress:
             task = progress.add_task(description, total=left)

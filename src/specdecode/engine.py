@@ -10,13 +10,18 @@ server report them without checking again.
 from __future__ import annotations
 
 import copy
+import logging
+import os
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.cache import DraftStore, ResponseCache, model_fingerprint, open_backend
+from specdecode.cache.backends import mask_password
+from specdecode.cache.response_cache import Bounds, weights_fingerprint
+from specdecode.core.adaptive import MAX_SPECULATIVE_TOKENS
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
 from specdecode.core.stopping import Stop, StoppingCriteria
@@ -27,6 +32,7 @@ from specdecode.drafters.factory import (
     DrafterOptions,
     check_drafter_name,
     check_drafter_options,
+    drafter_identity,
     make_drafter,
 )
 from specdecode.errors import InvalidArgumentError, PromptTooLongError
@@ -35,6 +41,9 @@ from specdecode.runners import ModelRunner, runner_for
 from specdecode.runners.select import chosen_dtype
 
 __all__ = ["DRAFTERS", "CacheOptions", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
+
+logger = logging.getLogger("specdecode.cache")
+SECRET_ENV = "SPECDECODE_CACHE_SECRET"  # the operator's key for the shared caches' entries
 
 # a request's stop strings: as many as OpenAI allows, each of a bounded length (the check
 # after every step searches the new text and the longest stop string's length before it)
@@ -62,6 +71,22 @@ class CacheOptions:
     require_backend: bool = (
         False  # a Redis that does not answer at start is an error (generate), not a fallback (serve)
     )
+    # the operator's key: entries and draft records are HMACs of it, so that only its holders can
+    # write what is served (None: $SPECDECODE_CACHE_SECRET, if set). Never printed.
+    secret: str | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        url = None if self.url is None else mask_password(self.url)
+        keyed = "set" if self.secret else None
+        return (
+            f"CacheOptions(url={url!r}, response_cache={self.response_cache}, draft_store={self.draft_store}, "
+            f"max_mb={self.max_mb}, require_backend={self.require_backend}, secret={keyed})"
+        )
+
+    @property
+    def secret_in_use(self) -> str | None:
+        """The secret in use: this one's, else the environment's (empty: none)."""
+        return self.secret or os.environ.get(SECRET_ENV) or None
 
 
 @dataclass(frozen=True)
@@ -116,6 +141,7 @@ class SpeculativeEngine:
         self.decoder = Decoder(self.target_runner, adaptive, self.max_model_len)
         self.response_cache, self.cache_note = None, "no response cache"
         self._fingerprint: str | None = None
+        self._weights_fingerprint: str | None = None
         if response_cache is not None:
             self.use_response_cache(response_cache)
 
@@ -141,15 +167,16 @@ class SpeculativeEngine:
 
         runner: "auto" runs supported architectures on the lean fast path (runners/fast_llama.py)
         and the rest on transformers' modeling; "transformers" forces the latter.
-        drafter "auto": prompt lookup, then the draft model if one is given, each step the first
-        that proposes; with adaptive k each proposes only while it pays.
+        drafter "auto": prompt lookup, then the draft store (`suffix`, when cache.draft_store is on),
+        then the draft model if one is given; each step the first that proposes; with adaptive k
+        each proposes only while it pays.
         max_model_len: the most tokens a sequence may hold (default: the model's context).
         cache: the response cache and the draft store, in process or on Redis (default: both in
         process; `CacheOptions(response_cache=False, draft_store=False)` for neither).
         quantization: "nf4", "fp4" or "int8" quantizes the target with bitsandbytes as it loads
         (embeddings, output head and, in 4 bits, the MLPs' down projections stay in dtype); it then
         runs on transformers' runner, exact relative to the quantized model (runners/rowwise.py;
-        README, "4-bit and 8-bit targets"). None: every weight in dtype.
+        docs/quantization.md). None: every weight in dtype.
         dtype "auto": bfloat16 where this CPU multiplies it natively and speculation is exact in
         it (runners.select.auto_dtype), else float32; `engine.precision` says which.
         keep_model_weights: the fast runners hold the weights in a layout of their own; by default
@@ -195,6 +222,8 @@ class SpeculativeEngine:
             load = lambda name: load_model(name, device, dtype, trust_remote_code)  # noqa: E731
             drafter = make_drafter(drafter, draft, engine.target_runner, tokenizer, load, runner, options, store)
         engine.drafter = drafter
+        if engine.response_cache is not None:  # a draft model's fingerprint reads its weights: now, not in a request
+            engine.drafts_identity(candidates_of(drafter))
         if not keep_model_weights:
             engine.model_fingerprint()  # read the weights now, for caches opened later
             engine.target_runner.release_model_weights()
@@ -207,22 +236,41 @@ class SpeculativeEngine:
         self.cache_backend = open_backend(options.url, options.max_mb << 20)
         if options.url is not None and options.require_backend and not self.cache_backend.ping():
             raise InvalidArgumentError(
-                f"no Redis answered at --cache-url {options.url}; start it or leave the option out", "cache_url"
+                f"no Redis answered at --cache-url {mask_password(options.url)}; start it or leave the option out",
+                "cache_url",
             )
-        fingerprint = self.model_fingerprint()
+        secret = options.secret_in_use
+        if options.url is not None and secret is None:
+            logger.warning(
+                "the caches on Redis at %s have no key (set %s, CacheOptions.secret or --cache-secret-file): "
+                "whoever can write to that Redis can change the answers it serves; it must be trusted",
+                mask_password(options.url),
+                SECRET_ENV,
+            )
+        vocab = self.target_runner.vocab_size
         if options.response_cache:
-            self.use_response_cache(ResponseCache(self.cache_backend, fingerprint, self.target_runner.vocab_size))
+            self.use_response_cache(ResponseCache(self.cache_backend, self.model_fingerprint(), vocab, secret=secret))
         if not options.draft_store:
             return None
-        return DraftStore(self.cache_backend, fingerprint, self.target_runner.vocab_size)
+        # drafts are verified: any runner and kernels of this model may share them
+        self.model_fingerprint()
+        namespace = self._weights_fingerprint
+        return DraftStore(self.cache_backend, namespace, vocab, max_record_tokens=self.max_model_len, secret=secret)
 
     def model_fingerprint(self) -> str:
         """What the caches key entries by: a digest of the target's weights and what else
         decides its outputs (cache.model_fingerprint); computed once, while the weights are there."""
         if self._fingerprint is None:
             model = getattr(self.target_runner, "model", None)
-            self._fingerprint = model_fingerprint(model, type(self.target_runner).__name__, self.tokenizer)
+            self._fingerprint = model_fingerprint(model, self.target_runner, self.tokenizer)
+            self._weights_fingerprint = weights_fingerprint(model, self.tokenizer)
         return self._fingerprint
+
+    def drafts_identity(self, candidates: tuple[Drafter, ...]) -> list | None:
+        """What decides the drafts of these candidates (factory.drafter_identity, each), for
+        the key of a seeded sample; None if one of them cannot be described."""
+        identities = [drafter_identity(d) for d in candidates]
+        return None if None in identities else identities
 
     @property
     def adaptive(self) -> bool:
@@ -293,14 +341,16 @@ class SpeculativeEngine:
     ) -> list[GenerationResult]:
         """Generate for each prompt, one after the other; one GenerationResult per prompt, in
         order. num_speculative_tokens: this call's most k (default: the engine's; 0 or
-        speculative=False: target-only). With a seed, one generator runs through all prompts."""
+        speculative=False: target-only). With a seed, prompt i gets a generator of its own
+        seeded seed + i, as in generate_batched and the server's choices: each prompt's sample
+        is its own, the same alone, in a batch or from the response cache."""
         k = num_speculative_tokens if speculative else 0
         settings = self.settings(max_new_tokens, temperature, top_k, top_p, seed, stop, k)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
-        generator = make_generator(seed)
-        # one generator runs through the prompts: only the first's seeded sample is its own
+        seeds = _prompt_seeds(seed, len(prompt_ids))
         sequences = [
-            self.sequence(ids, settings, generator, fork=False, cacheable=i == 0) for i, ids in enumerate(prompt_ids)
+            self.sequence(ids, settings, make_generator(s), fork=False, seed=s)
+            for ids, s in zip(prompt_ids, seeds, strict=True)
         ]
         return self._decode(sequences, capacity=1)
 
@@ -322,7 +372,7 @@ class SpeculativeEngine:
         gets its own generator, seeded seed + its index when a seed is given."""
         settings = self.settings(max_new_tokens, temperature, top_k, top_p, seed, stop, num_speculative_tokens)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
-        seeds = [None if seed is None else seed + i for i in range(len(prompt_ids))]
+        seeds = _prompt_seeds(seed, len(prompt_ids))
         sequences = [
             self.sequence(ids, settings, make_generator(s), seed=s) for ids, s in zip(prompt_ids, seeds, strict=True)
         ]
@@ -342,7 +392,9 @@ class SpeculativeEngine:
         """The stored answer of a request seen before, if the response cache has a valid one."""
         if self.response_cache is None or seq.cache_key is None:
             return None
-        found = self.response_cache.get(seq.cache_key)
+        room = min(seq.stopping.max_new_tokens, self.decoder.max_length - len(seq.prompt_ids))
+        bounds = Bounds(room, frozenset(seq.stopping.eos_token_ids), bool(seq.stopping.stop_strings))
+        found = self.response_cache.get(seq.cache_key, bounds)
         if found is None:
             return None
         seq.generated, reason = found
@@ -383,7 +435,9 @@ class SpeculativeEngine:
                 f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}", "stop"
             )
         make_generator(seed)  # checks the seed
-        k = self.num_speculative_tokens if num_speculative_tokens is None else _checked_k(num_speculative_tokens)
+        k = self.num_speculative_tokens
+        if num_speculative_tokens is not None:
+            k = _checked_k(num_speculative_tokens, k, "the k this engine was loaded with; load it with a larger -k")
         decode = self.decode if self.tokenizer else None
         return RequestSettings(
             params, StoppingCriteria(max_new_tokens, self.eos_token_ids, stop_strings, decode), seed, k
@@ -412,7 +466,7 @@ class SpeculativeEngine:
         k = settings.num_speculative_tokens if candidates else 0
         name = drafter.name if drafter is not None else "none"
         seed = settings.seed if seed is None else seed
-        key = self._cache_key(prompt_ids, settings, seed, name, k) if cacheable else None
+        key = self._cache_key(prompt_ids, settings, seed, candidates, k) if cacheable else None
         return Sequence(
             prompt_ids,
             settings.params,
@@ -426,9 +480,13 @@ class SpeculativeEngine:
             cache_key=key,
         )
 
-    def _cache_key(self, prompt_ids: list[int], settings: RequestSettings, seed: int | None, drafter: str, k: int):
+    def _cache_key(
+        self, prompt_ids: list[int], settings: RequestSettings, seed: int | None, candidates: tuple, k: int
+    ) -> str | None:
         """A response-cache key for deterministic requests: greedy ones, or seeded samples (whose
-        tokens depend on the drafts, so the drafter and k count too); None for the others."""
+        tokens depend on the drafts, so everything that decides them counts too: each drafter's
+        kind, settings and draft model, k and the policy); None for the others, and for seeded
+        samples of drafters that cannot be described (drafts_identity)."""
         if self.response_cache is None or not (settings.params.greedy or seed is not None):
             return None
         stopping, params = settings.stopping, settings.params
@@ -439,8 +497,11 @@ class SpeculativeEngine:
             max_length=self.decoder.max_length,
         )
         if not params.greedy:
+            drafts = self.drafts_identity(candidates) if k else []  # target-only: no drafter decides
+            if drafts is None:
+                return None
             request |= dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
-            request |= dict(drafter=drafter, k=k, adaptive=self.adaptive)
+            request |= dict(drafts=drafts, k=k, adaptive=self.adaptive, fixed_k=settings.fixed_k)
         return self.response_cache.key(prompt_ids, **request)
 
     def batch_capacity(self, max_batch_size: int) -> int:
@@ -468,8 +529,11 @@ class SpeculativeEngine:
             if not ids:
                 raise InvalidArgumentError("a prompt of token ids is empty; give at least one token", "prompt")
             vocab = self.target_runner.vocab_size
-            if not all(0 <= t < vocab for t in ids):
-                raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {ids}", "prompt")
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+            if bad is not None:  # named by position: echoing every id back would make the error as long as the prompt
+                raise InvalidArgumentError(
+                    f"prompt token ids must be in [0, {vocab}), got {ids[bad]} at position {bad}", "prompt"
+                )
         if len(ids) >= self.max_model_len:
             limit = self.max_model_len
             holds = f"the model's context holds {limit}"
@@ -477,6 +541,11 @@ class SpeculativeEngine:
                 holds = f"max_model_len is {limit}"
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens but {holds}; shorten the prompt", "prompt")
         return ids
+
+
+def _prompt_seeds(seed: int | None, count: int) -> list[int | None]:
+    """The one seeding rule: prompt (or choice) i is seeded seed + i."""
+    return [None if seed is None else seed + i for i in range(count)]
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -492,10 +561,13 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
-def _checked_k(k: int) -> int:
-    if not isinstance(k, int) or k < 0:
+def _checked_k(k: int, most: int = MAX_SPECULATIVE_TOKENS, why: str = "drafting more per step never pays") -> int:
+    """k within [0, most]: an engine's at most MAX_SPECULATIVE_TOKENS, a request's at most its
+    engine's (whose policy, stats and metrics were sized for it)."""
+    if not isinstance(k, int) or not 0 <= k <= most:
         raise InvalidArgumentError(
-            f"num_speculative_tokens (k) must be an integer >= 0 (0 = target-only), got {k}", "num_speculative_tokens"
+            f"num_speculative_tokens (k) must be an integer >= 0 (0 = target-only) and at most {most} ({why}), got {k}",
+            "num_speculative_tokens",
         )
     return k
 

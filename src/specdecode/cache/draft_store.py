@@ -11,46 +11,96 @@ Drafts are verified like any other, so a stale or corrupt entry can only cost sp
 
 Shared through a backend (backends.py): a finished sequence is indexed here at once and
 appended to the backend's log; the other processes' sequences are read from the log when a
-request begins. Records are int32 arrays; a record that is not one, or holds ids outside
-the vocabulary, is skipped.
+request begins. Records are int32 arrays (behind an HMAC of the operator's secret, when one
+is set); a record that is not one, holds ids outside the vocabulary, fails its HMAC, or is
+longer than a sequence can be (max_record_tokens) is skipped and counted (`skipped`).
+
+What others wrote costs the engine a bounded amount of time, whatever they wrote: one read
+returns a bounded batch (backends.READ_ENTRIES records, READ_BYTES bytes, none over
+max_record_tokens), and the records read wait in `pending` until a step indexes them, at
+most INDEX_BUDGET_TOKENS tokens a step (one record at least), before it proposes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from array import array
 from collections import deque
 
-from specdecode.cache.backends import Backend
+from specdecode.cache.backends import READ_ENTRIES, Backend
 
 MIN_NGRAM, MAX_NGRAM = 2, 6
 MIN_SHARE = 0.5  # the share of an n-gram's continuations its proposed token must exceed
 MAX_TOKENS = 400_000  # tokens indexed; past it the oldest half of the sequences is forgotten
+MAX_RECORD_TOKENS = 1 << 20  # the longest record, where the caller gives no bound (its context)
+INDEX_BUDGET_TOKENS = 4096  # most tokens of others' records indexed before one proposal
+MAC_BYTES = 16
 
 
 class DraftStore:
-    def __init__(self, backend: Backend, namespace: str, vocab_size: int, max_tokens: int = MAX_TOKENS):
+    READ_ENTRIES = READ_ENTRIES
+    INDEX_BUDGET_TOKENS = INDEX_BUDGET_TOKENS
+
+    def __init__(
+        self,
+        backend: Backend,
+        namespace: str,
+        vocab_size: int,
+        max_tokens: int = MAX_TOKENS,
+        max_record_tokens: int | None = None,
+        secret: str | bytes | None = None,
+    ):
+        """max_record_tokens: the most tokens a record may hold (the engine's max_model_len: no
+        sequence is longer); secret: the operator's key, with which records are signed and checked."""
         self.backend, self.log, self.vocab_size, self.max_tokens = (
             backend,
             f"{namespace}:drafts",
             vocab_size,
             max_tokens,
         )
+        self.max_record_tokens = max_record_tokens or MAX_RECORD_TOKENS
+        self._secret = secret.encode() if isinstance(secret, str) else secret
         self.sequences: deque[list[int]] = deque()
         self.tokens = 0
         self._next: dict[tuple[int, ...], dict[int, int]] = {}  # n-gram -> next token -> count
-        self.skipped = 0  # records from the backend that were not valid sequences
+        self.pending: deque[bytes] = deque()  # records read from the backend, not indexed yet
+        self._pending_tokens = 0
+        self.skipped = 0  # records from the backend that were not valid sequences (or too long)
 
     def __len__(self) -> int:
         return self.tokens
 
+    @property
+    def pending_records(self) -> int:
+        return len(self.pending)
+
     def add(self, token_ids: list[int]) -> None:
         """Index a finished sequence (prompt and output) and share it."""
         self._index(token_ids)
-        self.backend.append(self.log, array("i", token_ids).tobytes())
+        self.backend.append(self.log, self._pack(token_ids))
 
-    def sync(self) -> None:
-        """Index what other processes added since the last sync: one backend call."""
-        for record in self.backend.read(self.log):
+    def sync(self, budget: int | None = None) -> None:
+        """Read what other processes added since the last sync (one bounded backend call) and
+        index up to budget tokens of it (None: all; the rest waits for the next proposals)."""
+        overhead = MAC_BYTES if self._secret else 0
+        for record in self.backend.read(self.log, max_record_bytes=4 * self.max_record_tokens + overhead):
+            if record is None or len(record) > 4 * self.max_record_tokens + overhead:
+                self.skipped += 1  # longer than any sequence: not read (or not kept)
+                continue
+            self.pending.append(record)
+            self._pending_tokens += len(record) // 4
+        while self._pending_tokens > self.max_tokens and len(self.pending) > 1:
+            self._pending_tokens -= len(self.pending.popleft()) // 4  # would be forgotten at once anyway
+        self.index_pending(budget)
+
+    def index_pending(self, budget: int | None = INDEX_BUDGET_TOKENS) -> None:
+        """Index records read but not indexed yet: up to budget tokens (one record at least), or all."""
+        while self.pending and (budget is None or budget > 0):
+            record = self.pending.popleft()
+            self._pending_tokens -= len(record) // 4
+            if budget is not None:
+                budget -= len(record) // 4 or 1
             token_ids = self._unpack(record)
             if token_ids is None:
                 self.skipped += 1
@@ -59,6 +109,7 @@ class DraftStore:
 
     def propose(self, context: list[int], k: int) -> list[int]:
         """Up to k tokens to follow context, as the store's history continues it."""
+        self.index_pending()
         walk, drafted = list(context[-MAX_NGRAM:]), []
         while len(drafted) < k:
             token = self._continuation(walk)
@@ -99,8 +150,19 @@ class DraftStore:
                     if not followers:
                         del self._next[key]
 
+    def _pack(self, token_ids: list[int]) -> bytes:
+        payload = array("i", token_ids).tobytes()
+        return self._mac(payload) + payload if self._secret else payload
+
     def _unpack(self, record: bytes) -> list[int] | None:
-        if not record or len(record) % 4:
+        if self._secret:
+            mac, record = record[:MAC_BYTES], record[MAC_BYTES:]
+            if len(mac) < MAC_BYTES or not hmac.compare_digest(mac, self._mac(record)):
+                return None
+        if not record or len(record) % 4 or len(record) > 4 * self.max_record_tokens:
             return None
         token_ids = array("i", record).tolist()
         return token_ids if all(0 <= t < self.vocab_size for t in token_ids) else None
+
+    def _mac(self, payload: bytes) -> bytes:
+        return hmac.new(self._secret, self.log.encode() + b"\0" + payload, hashlib.sha256).digest()[:MAC_BYTES]

@@ -11,8 +11,13 @@ on future tokens, so it never changes what is generated.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
+# The most k any engine drafts per step (num_speculative_tokens, -k, a request's own k). Far
+# past where drafting pays, and it bounds what k sizes: a step's draft and verification, each
+# request's per-position stats, the server's per-position metric series, and this policy's work.
+MAX_SPECULATIVE_TOKENS = 64
 EMA_WEIGHT = 0.2  # weight of the newest measurement
 PRIOR_ACCEPTANCE = 0.5  # a_1 before anything was drafted: optimistic enough to try it
 PROBE_EVERY = (4, 64)  # target-only steps between probes: first, then doubling up to the last
@@ -32,12 +37,17 @@ def expected_tokens(acceptance: list[float]) -> float:
 
 
 def best_k(acceptance: list[float], draft_seconds_per_token: float, verify_seconds: Callable[[int], float]) -> int:
-    """The k in [0, len(acceptance)] with the most expected tokens per second."""
-    rates = [
-        expected_tokens(acceptance[:k]) / (k * draft_seconds_per_token + verify_seconds(k + 1))
-        for k in range(len(acceptance) + 1)
-    ]
-    return max(range(len(rates)), key=rates.__getitem__)  # the smallest k on ties
+    """The k in [0, len(acceptance)] with the most expected tokens per second. E(k) is built
+    from E(k - 1) as k grows: one pass over the positions (this runs every step)."""
+    best, best_rate = 0, 1.0 / verify_seconds(1)
+    tokens, reach = 1.0, 1.0
+    for k, a in enumerate(acceptance, start=1):
+        reach *= a
+        tokens += reach  # expected_tokens(acceptance[:k])
+        rate = tokens / (k * draft_seconds_per_token + verify_seconds(k + 1))
+        if rate > best_rate:  # the smallest k on ties
+            best, best_rate = k, rate
+    return best
 
 
 class StepCosts:
@@ -45,6 +55,7 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # n new tokens -> EMA seconds
+        self._sorted: tuple[dict[int, float] | None, list[int]] = (None, [])  # a copy of seconds' sizes, in order
 
     def record(self, n: int, seconds: float) -> None:
         self.seconds[n] = ema(self.seconds.get(n), seconds)
@@ -61,12 +72,20 @@ class StepCosts:
             return self.seconds[n]
         if not self.seconds:
             return None
-        below = [m for m in self.seconds if m < n]
-        above = [m for m in self.seconds if m > n]
-        if not below or not above:
-            return self.seconds[max(below) if below else min(above)]
-        lo, hi = max(below), min(above)
+        sizes = self._sizes()
+        i = bisect.bisect_left(sizes, n)  # sizes[i - 1] < n < sizes[i]
+        if i == 0 or i == len(sizes):
+            return self.seconds[sizes[i - 1] if i else sizes[0]]
+        lo, hi = sizes[i - 1], sizes[i]
         return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (n - lo) / (hi - lo)
+
+    def _sizes(self) -> list[int]:
+        """The measured sizes in order, sorted again only when one was added (sizes are never
+        removed): a policy estimates k + 1 sizes every step, each a bisection, not a scan."""
+        of, sizes = self._sorted
+        if of is not self.seconds or len(sizes) != len(self.seconds):  # (tests replace the dict)
+            self._sorted = (self.seconds, sorted(self.seconds))
+        return self._sorted[1]
 
 
 class AdaptiveK:
@@ -84,6 +103,7 @@ class AdaptiveK:
         forward, whose cost step_costs knows by its total tokens."""
         if k_max <= 0:
             return 0
+        k_max = min(k_max, MAX_SPECULATIVE_TOKENS)  # the engine checks k; this keeps the policy's work bounded anyway
         if self.draft_seconds_per_token is None or not self.step_costs.seconds:
             return k_max  # nothing measured yet: try the most
 

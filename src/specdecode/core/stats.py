@@ -21,6 +21,10 @@ class GenerationStats:
     wall_time_s: float = 0.0
     cached: bool = False  # answered from the response cache, without a forward
     target_precision: str | None = None  # the target's weights: "float32", "nf4 (bitsandbytes, ...)" (engine.py)
+    # tokens the target ran again because its cache had lost them (after an engine crash, or a
+    # failed forward its runner could not undo); they emit nothing new (decoder.py, "rebuild")
+    replayed_tokens: int = 0
+    note: str | None = None  # why this generation ran other than asked (a target that cannot speculate)
 
     def __post_init__(self) -> None:
         self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens
@@ -38,6 +42,11 @@ class GenerationStats:
         for position in range(num_drafted):
             self.drafted_per_position[position] += 1
             self.accepted_per_position[position] += position < num_accepted
+
+    def record_replay(self, num_tokens: int, forward: bool = False) -> None:
+        """num_tokens run again to rebuild a lost cache; forward: in a forward of their own."""
+        self.replayed_tokens += num_tokens
+        self.target_forwards += forward
 
     @property
     def acceptance_rate(self) -> float:
@@ -73,4 +82,6 @@ class GenerationStats:
             f"acceptance {self.acceptance_rate:.0%} ({self.accepted_tokens}/{self.drafted_tokens}) | "
             f"{self.mean_accepted_length:.2f} tokens per target forward ({self.target_forwards} forwards)"
             + (f" | target {self.target_precision}" if self.target_precision else "")
+            + (f" | {self.replayed_tokens} tokens replayed" if self.replayed_tokens else "")
+            + (f" | note: {self.note}" if self.note else "")
         )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdecode.cache import DraftStore
+from specdecode.cache import DraftStore, model_fingerprint
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
@@ -121,3 +123,46 @@ def _draft_model_drafter(
     except VocabularyMismatchError as error:
         raise VocabularyMismatchError(f"{error}, or draft through text with drafter 'cross-tokenizer'") from None
     return ModelDrafter(draft_runner, options.min_confidence)
+
+
+# a draft runner's fingerprint, computed once (it reads every weight)
+_draft_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def drafter_identity(drafter: Drafter) -> list | None:
+    """What decides a drafter's proposals, and so which random numbers a seeded sample draws:
+    its kind and settings (DrafterOptions as the drafter holds them), and a draft model's
+    fingerprint (weights, runner, kernels: cache.model_fingerprint) and tokenizers. The
+    response cache keys seeded samples by it. None for a drafter it cannot describe (one that
+    depends on history, or a class of one's own): its seeded samples are not cached. A drafter
+    class of one's own opts in with a `cache_identity()` method that returns a JSON-able value
+    naming everything its proposals depend on."""
+    own = getattr(drafter, "cache_identity", None)
+    if callable(own):
+        return [f"{type(drafter).__module__}.{type(drafter).__qualname__}", own()]
+    if getattr(drafter, "depends_on_history", False):
+        return None
+    kind = type(drafter)  # exactly these classes: a subclass may propose otherwise
+    if kind is PromptLookupDrafter:
+        return [drafter.name, drafter.min_ngram, drafter.max_ngram, drafter.max_continuation]
+    if kind is ModelDrafter:
+        fingerprint = _runner_fingerprint(drafter.runner)
+        return None if fingerprint is None else [drafter.name, drafter.min_confidence, fingerprint]
+    if kind is CrossTokenizerDrafter:
+        fingerprint = _runner_fingerprint(drafter.runner)
+        tokenizers = [_tokenizer_digest(t) for t in (drafter.draft_tokenizer, drafter.target_tokenizer)]
+        return None if fingerprint is None or None in tokenizers else [drafter.name, fingerprint, tokenizers]
+    return None
+
+
+def _runner_fingerprint(runner: ModelRunner) -> str | None:
+    if runner not in _draft_fingerprints:
+        model = getattr(runner, "model", None)
+        _draft_fingerprints[runner] = model_fingerprint(model, runner, None) if model is not None else None
+    return _draft_fingerprints[runner]
+
+
+def _tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """A fast tokenizer's whole definition (vocabulary, merges, normalizer): how it splits text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return hashlib.blake2b(backend.to_str().encode(), digest_size=16).hexdigest() if backend is not None else None

@@ -24,6 +24,10 @@ class ModelRunner(Protocol):
     batch_invariant: bool
     # declared: compile() makes its forwards run compiled by torch.compile, with the same results
     compilable: bool
+    # declared: crop(n) puts the cache back exactly as it was after n tokens, so rejected drafts
+    # leave no trace; False (a recurrent state, transformers' Mamba layers): the target decodes
+    # target-only, and a crop empties the cache (cache_length says so)
+    rolls_back: bool
 
     @property
     def cache_length(self) -> int: ...

@@ -27,6 +27,7 @@ class CachedSequence:
             _common_prefix_length(self._tokens, token_ids), len(token_ids) - num_logits, self.runner.cache_length
         )
         self.runner.crop(keep)  # roll back rejected tokens; never recompute the accepted ones
+        keep = self.runner.cache_length  # less where the crop could not be done (hf.py): run the rest
         logits = self.runner.forward(torch.tensor(token_ids[keep:], dtype=torch.long), num_logits)
         self._tokens = list(token_ids)
         return logits

@@ -1,4 +1,12 @@
-"""Any transformers causal LM as a ModelRunner, on a DynamicCache."""
+"""Any transformers causal LM as a ModelRunner, on a DynamicCache.
+
+Rollback. Attention layers crop their keys and values; sliding-window and short-convolution
+layers (LFM2) record their past until a crop (`activate_past_recording`) and crop exactly too.
+A recurrent state (Mamba's selective scan) is advanced in place by every token and cannot be
+taken back: such a cache does not roll back (`rolls_back`), the decoder runs its model
+target-only, and a crop into it empties it. transformers knows which only once a layer has
+run, so the runner asks it after a forward of two tokens on a scratch cache.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +18,8 @@ from transformers import DynamicCache, PreTrainedModel, cache_utils
 from specdecode.loading import give_freed_memory_back, quantization_of
 from specdecode.runners.rowwise import make_rows_exact, verifying
 
-# transformers' linear-attention cache layers (and hybrids): a crop cannot take their
-# recurrent state back
-_RECURRENT_LAYERS = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+# transformers' linear-attention cache layers (and hybrids): convolution and recurrent states
+_LINEAR_LAYERS = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
 
 
 class HFModelRunner:
@@ -32,6 +39,7 @@ class HFModelRunner:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
         self.device, self.dtype = model.device, model.dtype
+        self.rolls_back = self._cache_rolls_back()
         self.reset()
 
     @property
@@ -54,13 +62,22 @@ class HFModelRunner:
 
     def reset(self) -> None:
         self._cache = DynamicCache(config=self.model.config)
-        # sliding-window layers must keep past states until cropped, or rollback is impossible
-        self._cache.activate_past_recording()
+        if self.rolls_back:
+            # sliding-window and convolution layers keep their past until a crop, so that a
+            # crop can take rejected drafts back (a recurrent cache decodes as generate does)
+            self._cache.activate_past_recording()
         self._length = 0
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        verification = self._rows_exact and self._length > 0 and token_ids.shape[0] > 1
+        count = token_ids.shape[0]
+        if not self.rolls_back and self._length > 0 and count > 1:
+            # after a cached prefix a recurrent layer goes on one token at a time (transformers'
+            # Mamba starts a longer chunk's scan from a zero state), as generate runs it
+            rows = [self.forward(token_ids[i : i + 1], 1) for i in range(count)]
+            return torch.cat(rows[count - num_logits :])
+        verification = self._rows_exact and self._length > 0 and count > 1
+        saved = self._saved_states()
         try:
             with verifying() if verification else contextlib.nullcontext():
                 out = self.model(
@@ -70,32 +87,85 @@ class HFModelRunner:
                     logits_to_keep=num_logits,
                 )
         except BaseException:
-            # a forward that fails part-way (out of memory, an interrupt) has appended the new
-            # positions to the layers that ran and not to the others: take them off again
-            self._restore()
+            # a forward that fails part-way (out of memory, an interrupt) has advanced the
+            # layers that ran and not the others: put them back (cache_length stays the truth)
+            self._restore(saved)
             raise
-        self._length += token_ids.shape[0]
+        self._length += count
         return out.logits[0, -num_logits:].float().cpu()
 
     def crop(self, length: int) -> None:
-        if length < self._length:
-            self._crop_layers(length, self._length)
-            self._length = length
+        """Keep the first `length` positions; where they cannot be taken back (a recurrent
+        state, or a convolution that recorded less), the cache is emptied: cache_length is then
+        0 and the caller runs the tokens again."""
+        if length >= self._length:
+            return
+        if length == 0 or not (self.rolls_back and self._convolutions_recorded(self._length - length)):
+            self.reset()  # nothing kept: a new cache is one that never ran
+            return
+        self._crop_layers(length, self._cache.layers)
+        self._length = length
 
-    def _restore(self) -> None:
-        """Every layer back to the cached length after a failed forward (or an empty cache,
-        where a recurrent state the failed forward may have advanced cannot be taken back)."""
-        if any(isinstance(layer, _RECURRENT_LAYERS) for layer in self._cache.layers):
+    def _cache_rolls_back(self) -> bool:
+        """Whether every layer of this model's cache crops exactly; a linear-attention layer
+        tells only once it has run (whether it keeps a recurrent state)."""
+        cache = DynamicCache(config=self.model.config)
+        if any(isinstance(layer, _LINEAR_LAYERS) for layer in cache.layers):
+            cache.activate_past_recording()
+            with torch.inference_mode():
+                probe = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+                self.model(input_ids=probe, cache=cache, use_cache=True, logits_to_keep=1)
+        return getattr(cache, "is_croppable", True)
+
+    def _saved_states(self) -> list[tuple[object, dict]]:
+        """What a failed forward must give back to the linear-attention layers: their attributes.
+        Recording their past, transformers replaces their convolution states rather than
+        writing them in place, so references keep the old ones (there is no recurrent state
+        where the cache rolls back)."""
+        if not self.rolls_back or self._length == 0:
+            return []  # _restore empties the cache
+        return [(layer, _copy_state(vars(layer))) for layer in self._cache.layers if isinstance(layer, _LINEAR_LAYERS)]
+
+    def _restore(self, saved: list[tuple[object, dict]]) -> None:
+        """Every layer back to the cached length after a failed forward: linear-attention layers
+        given back their saved states, the others cropped by the length each really holds. A
+        cache that cannot roll back (a recurrent state the forward may have advanced) is emptied."""
+        if not self.rolls_back or self._length == 0:
             self.reset()
-        else:
-            self._crop_layers(self._length, self._length)
+            return
+        for layer, state in saved:
+            vars(layer).clear()
+            vars(layer).update(state)
+        self._crop_layers(
+            self._length, [layer for layer in self._cache.layers if not isinstance(layer, _LINEAR_LAYERS)]
+        )
 
-    def _crop_layers(self, length: int, cached: int) -> None:
-        """Keep the first `length` positions of every layer, by the length each one really
-        holds (after a failed forward they differ); `cached`: what layers that report no
-        length of their own (linear attention, transformers' DummyLayer) are taken to hold."""
-        for layer in self._cache.layers:
-            held = layer.get_seq_length() if isinstance(layer, cache_utils.CacheLayerMixin) else cached
+    def _crop_layers(self, length: int, layers: list) -> None:
+        """Keep the first `length` positions of these layers, by the length each one really
+        holds (after a failed forward they differ); layers that report no length of their own
+        (linear attention, transformers' DummyLayer) hold the cached length."""
+        for layer in layers:
+            held = layer.get_seq_length() if isinstance(layer, cache_utils.CacheLayerMixin) else self._length
             if held > length:
                 # transformers 5.x: a negative argument removes that many positions from the end
                 layer.crop(length - held)
+
+    def _convolutions_recorded(self, removed: int) -> bool:
+        """Whether each convolution layer still holds the positions its next forward reads
+        (its kernel's width less one) once `removed` positions are cropped: it records its past
+        only since the last crop."""
+        for layer in self._cache.layers:
+            if not isinstance(layer, _LINEAR_LAYERS):
+                continue
+            for index, state in layer.conv_states.items():
+                if state is None:
+                    continue
+                needed = min(layer.conv_kernel_size[index] - 1, self._length - removed)
+                if state.shape[-1] - removed < needed:
+                    return False
+        return True
+
+
+def _copy_state(attributes: dict) -> dict:
+    """A layer's attributes, its dictionaries (of states, by index) copied one level down."""
+    return {name: dict(value) if isinstance(value, dict) else value for name, value in attributes.items()}

@@ -24,7 +24,7 @@ def runner_for(model: PreTrainedModel, runner: str = "auto", quantization: str |
 
     A model quantized with bitsandbytes runs on transformers' runner: the fast paths read each
     layer's weight as a plain matrix, and bitsandbytes' layers hold packed 4-bit or int8 codes
-    (README, "4-bit and 8-bit targets", has the measurement behind keeping it there)."""
+    (docs/quantization.md has the measurement behind keeping it there)."""
     if runner not in RUNNERS:
         raise InvalidArgumentError(f"unknown runner '{runner}'; choose one of: {', '.join(RUNNERS)}")
     bnb = quantization_of(model)

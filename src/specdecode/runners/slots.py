@@ -53,6 +53,10 @@ class SlotPool:
     def crop(self, slot: int, length: int) -> None:
         self.slots[slot].crop(length)
 
+    def cache_length(self, slot: int) -> int:
+        """Positions the slot's cache really holds (after a failed forward, maybe fewer than asked)."""
+        return self.slots[slot].cache_length
+
     def forward(
         self,
         slots: list[int],

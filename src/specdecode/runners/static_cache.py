@@ -110,6 +110,7 @@ class StaticCacheRunner:
     cache: StaticKVCache
     stacks_sequences = False  # FastLlamaRunner overrides: it has forward_batch
     compilable = False  # FastLlamaRunner overrides: it has compile()
+    rolls_back = True  # keys and values only: rows past the length are overwritten
     per_query_attention: bool
 
     @property

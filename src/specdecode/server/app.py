@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -27,7 +27,7 @@ from specdecode.runners.slots import kv_bytes_per_token
 from specdecode.server.errors import APIError, error_response, install_error_handlers
 from specdecode.server.faults import StepHook
 from specdecode.server.metrics import ServerMetrics
-from specdecode.server.routes import ServerState, v1
+from specdecode.server.routes import ServerState, check_api_key, v1
 from specdecode.server.worker import EngineWorker
 
 if TYPE_CHECKING:
@@ -49,11 +49,15 @@ def create_app(
     kv_cache_gb: float | None = None,
     tracing: Tracing | None = None,
     metrics_text: Callable[[], Awaitable[bytes]] | None = None,
+    metrics_without_key: bool = False,
 ) -> FastAPI:
-    """An app serving `engine` as `model_name`; requests to /v1 need `api_key` when one is set.
+    """An app serving `engine` as `model_name`. With an `api_key`, every route but /health
+    needs it: /v1, /metrics (unless metrics_without_key: for a Prometheus that cannot send
+    it) and /openapi.json; the /docs and /redoc pages are off (a browser cannot send the key
+    their requests need).
 
     max_waiting: requests queued beyond the running batch before new ones get 429.
-    max_body_bytes: larger request bodies get 413 (by their Content-Length).
+    max_body_bytes: larger request bodies get 413 (counted as they are read, whatever the framing).
     max_batch_size: requests decoded together (continuous batching, decoder.py).
     kv_cache_gb: the most GiB the batch's KV caches may take, each up to the engine's
     max_model_len tokens (None: no limit); see batch_size_for_budget.
@@ -79,7 +83,10 @@ def create_app(
         if tracing is not None:
             await asyncio.to_thread(tracing.flush)
 
-    app = FastAPI(title="specdecode", lifespan=lifespan)
+    keyed = api_key is not None
+    # with a key, FastAPI's own /openapi.json, /docs and /redoc are off; the schema is served below, keyed
+    pages = dict(openapi_url=None, docs_url=None, redoc_url=None) if keyed else {}
+    app = FastAPI(title="specdecode", lifespan=lifespan, **pages)
     app.state.server = ServerState(engine, worker, metrics, model_name, api_key, tracing)
     app.state.worker, app.state.metrics = worker, metrics
     install_error_handlers(app, metrics)
@@ -102,9 +109,17 @@ def create_app(
     async def own_metrics() -> bytes:
         return generate_latest(metrics.registry)
 
-    @app.get("/metrics")
+    metrics_access = [] if metrics_without_key else [Depends(check_api_key)]
+
+    @app.get("/metrics", dependencies=metrics_access)
     async def prometheus_metrics() -> PlainTextResponse:
         return PlainTextResponse(await (metrics_text or own_metrics)(), media_type=CONTENT_TYPE_LATEST)
+
+    if keyed:
+
+        @app.get("/openapi.json", dependencies=[Depends(check_api_key)], include_in_schema=False)
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
 
     return app
 
@@ -174,9 +189,12 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> N
 
 
 class _BodyLimit:
-    """Refuses bodies over max_bytes before the app reads them: by their Content-Length, or,
-    for a chunked body, by reading it here up to the limit and handing it on. Pure ASGI:
-    FastAPI's @app.middleware wrapper would hide client disconnects from the handlers."""
+    """Refuses bodies over max_bytes before the app reads them. The limit holds on the bytes
+    actually received, whatever the framing: a Content-Length over the limit is refused at
+    once, and every body is read here, counted, up to the limit, then handed on. A declared
+    length alone is not to be trusted: a request that sends both Content-Length and chunked
+    encoding is read by its chunks under uvicorn's h11 parser, past the length it declared.
+    Pure ASGI: FastAPI's @app.middleware wrapper would hide client disconnects from the handlers."""
 
     def __init__(self, app, max_bytes: int, refuse: Callable[[str], JSONResponse]):
         self.app, self.max_bytes, self.refuse = app, max_bytes, refuse
@@ -186,24 +204,23 @@ class _BodyLimit:
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            if length.isdigit() and int(length) > self.max_bytes:
-                await self.refuse(f"{int(length)} bytes")(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self.refuse(f"{int(length)} bytes")(scope, receive, send)
             return
-        body = b""
+        chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client left before it finished sending
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
                 await self.refuse(f"more than {self.max_bytes} bytes")(scope, receive, send)
                 return
+            chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        sent = False
+        body, sent = b"".join(chunks), False
 
         async def replay():
             nonlocal sent

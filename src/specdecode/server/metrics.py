@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specdecode.core.adaptive import MAX_SPECULATIVE_TOKENS
 from specdecode.core.stats import GenerationStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -29,6 +30,7 @@ _GEN_AI = ["gen_ai_operation_name", "gen_ai_request_model"]  # gen_ai.operation.
 class ServerMetrics:
     def __init__(self, model_name: str = "specdecode") -> None:
         self.model_name = model_name  # gen_ai_request_model of the GenAI histograms
+        self.positions = MAX_SPECULATIVE_TOKENS  # draft positions with a series of their own (expect)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests_running = Gauge("specdecode:num_requests_running", "Requests being generated now.", registry=r)
@@ -189,7 +191,9 @@ class ServerMetrics:
             self.response_cache.labels(result)
 
     def expect(self, k_max: int, drafters: list[str]) -> None:
-        """Create the series of the draft positions and drafters the engine will use (at 0)."""
+        """Create the series of the draft positions and drafters the engine will use (at 0).
+        The engine's k bounds every request's, so these are all the position series there are."""
+        self.positions = max(1, min(k_max, MAX_SPECULATIVE_TOKENS))
         for position in range(k_max):
             self.drafted_per_position.labels(str(position))
             self.accepted_per_position.labels(str(position))
@@ -225,10 +229,19 @@ class ServerMetrics:
         self.gen_ai_token_usage.labels(operation, self.model_name, "output").observe(output_tokens)
         for position, drafted in enumerate(stats.drafted_per_position):
             if drafted:
-                self.drafted_per_position.labels(str(position)).inc(drafted)
+                self.drafted_per_position.labels(self._position(position)).inc(drafted)
+        for position, accepted in enumerate(stats.accepted_per_position):
+            if accepted:
+                self.accepted_per_position.labels(self._position(position)).inc(accepted)
         for k, steps in stats.drafted_histogram.items():
             for _ in range(steps):  # one observation per step (a few dozen per request)
                 self.draft_length.observe(k)
+
+    def _position(self, position: int) -> str:
+        """A draft position's label. A request's k is at most the engine's, so the last one is
+        never passed; if it were, the count would join the last series rather than open new
+        ones: the series a request can create stay bounded."""
+        return str(min(position, self.positions - 1))
 
 
 def _ratio(a: float, b: float) -> float:

@@ -38,13 +38,14 @@ class BatchActor:
 
 def run_batch_on_ray(
     spec: ServerSpec,
-    lines: list[dict],
+    todo: list[dict],
     output: Path,
     replicas: int,
     replica_cpus: float,
     on_done: Callable[[], None] = lambda: None,
 ) -> int:
-    """Answer every line not yet in output with `replicas` actors; the number answered."""
+    """Answer every line of todo (batch.pending(): those not yet in output) with `replicas`
+    actors, appending each answer to output; the number answered."""
     run = uuid.uuid4().hex[:8]
     actors = [
         # named, so that an operator (or a test) can find them: ray.util.list_named_actors()
@@ -61,7 +62,7 @@ def run_batch_on_ray(
             yield ray.get(done[0])
 
     try:
-        return write_answers(lines, output, answers, on_done)
+        return write_answers(todo, output, answers, on_done)
     finally:
         for actor in actors:
             ray.kill(actor)

@@ -3,6 +3,12 @@ and `batch --ray`, and checking that the replicas asked for fit before anything 
 
 Ray is an optional extra (`pip install specdecode[ray]`): this module and the two that use it
 (ray_serve.py, ray_batch.py) are imported only when a command asks for Ray.
+
+On one machine every Ray connection stays on loopback. Ray replaces 127.0.0.1 (in an address
+it is given, and as the address of the processes it starts) by the machine's network address,
+so that other nodes could reach them; a cluster started with `ray start --head
+--node-ip-address 127.0.0.1` and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 listens on loopback only
+and could then not be joined at 127.0.0.1. Ray keeps loopback where that variable is 0.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 
@@ -30,22 +37,70 @@ def check_replicas(replicas: int, replica_cpus: float) -> None:
         raise InvalidArgumentError(f"--replica-cpus must be positive, got {replica_cpus}", "replica_cpus")
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+LOOPBACK_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # 0: Ray keeps loopback addresses as they are
+
+
 def connect(address: str | None) -> None:
     """Join the cluster at address ("auto": the one started on this node by `ray start`), or,
-    with no address, start a Ray of this machine's CPUs that ends with this process."""
+    with no address, start a Ray of this machine's CPUs that ends with this process; never a
+    cluster that an earlier `ray start` left recorded on the machine (or RAY_ADDRESS names)."""
     ray = require_ray()
     if ray.is_initialized():
         return
     if address not in (None, "auto"):
         _check_reachable(address)
+    if address is None or address == "auto" or is_loopback(address):
+        _stay_on_loopback()
+    if address is not None and is_loopback(address):
+        _send_this_machines_token()
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as error:
+        ray.init(
+            address="local" if address is None else address,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SpecDecodeError(
             f"could not join a Ray cluster at {address or 'this machine'}: {first_line}; start one with "
-            "`ray start --head` and pass --ray-address auto (on its node) or HOST:6379"
+            "`ray start --head` and pass --ray-address auto (on its node) or HOST:6379; a cluster with token "
+            "authentication needs its token here too (RAY_AUTH_MODE=token, and RAY_AUTH_TOKEN or ~/.ray/auth_token)"
         ) from None
+
+
+def is_loopback(address: str) -> bool:
+    host = address.removeprefix("ray://").rpartition(":")[0]
+    return host in LOOPBACK_HOSTS
+
+
+def _stay_on_loopback() -> None:
+    """Keep Ray's addresses on this machine as they are (see the module's docstring), unless the
+    operator set the variable. Ray reads it once, when it is imported: the environment is for the
+    processes it starts from here, the constant for this one (Ray may be imported already)."""
+    if LOOPBACK_VARIABLE in os.environ:
+        return
+    os.environ[LOOPBACK_VARIABLE] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def _send_this_machines_token() -> None:
+    """Ray (2.60) sends its authentication token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token) to a cluster it finds on this machine itself ("auto"), but to an address
+    it is given only with RAY_AUTH_MODE=token, so a token-authenticated `ray start` cluster
+    refused `--ray-address 127.0.0.1:PORT`. A loopback address is this machine: do as "auto"
+    does. (Nothing changes where RAY_AUTH_MODE is set, or where no token is found; a cluster
+    without authentication accepts a client that sends one.)"""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def check_fits(replicas: int, replica_cpus: float) -> None:

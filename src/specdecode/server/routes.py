@@ -116,7 +116,8 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
     prompt, templated = _chat_prompt(state.engine, body.messages)
     # None (no limit given): up to the end of the context, as OpenAI's chat API does
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    handles = _submit(state, _generation_requests(state, body, prompt, max_tokens, templated))
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    handles = _submit(state, _generation_requests(state, body, prompt, max_tokens, templated, messages))
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
     if body.stream:
 
@@ -146,6 +147,7 @@ def _generation_requests(
     prompt: str | list[int],
     max_tokens: int | None,
     templated: bool = False,
+    messages: list[dict] | None = None,
 ) -> list[GenerationRequest]:
     """The worker's requests, one per choice (n), choice i seeded seed + i when a seed is given;
     checked first: the model's name, OpenAI's own bounds, then the engine's checks. max_tokens
@@ -191,6 +193,7 @@ def _generation_requests(
             templated=templated,
             stream=body.stream,
             operation=operation,
+            messages=messages,
         )
         for seed in seeds
     ]

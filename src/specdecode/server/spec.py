@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI
 
-from specdecode.engine import CacheOptions, SpeculativeEngine
+from specdecode.engine import CacheOptions, DrafterOptions, SpeculativeEngine
 from specdecode.server.app import create_app
 from specdecode.server.faults import StepHook
 
@@ -28,12 +28,14 @@ class ServerSpec:
     max_model_len: int | None = None
     quantization: str | None = None
     cache: CacheOptions = field(default_factory=CacheOptions)
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never printed (logs, errors)
     max_waiting: int = 64
     max_batch_size: int = 16
     max_request_seconds: float = 600.0
     kv_cache_gb: float | None = None
     otel_console: bool = False  # spans to the console too (OTLP export follows the OTEL_* variables)
+    metrics_without_key: bool = False  # with an api_key, /metrics still needs none
+    adaptive: bool = True  # k chosen per step from measurements (core/adaptive.py); False: k every step
 
     @property
     def model_name(self) -> str:
@@ -53,6 +55,7 @@ class ServerSpec:
             max_model_len=self.max_model_len,
             cache=self.cache,
             quantization=self.quantization,
+            options=DrafterOptions(adaptive=self.adaptive),
         )
 
     def app(
@@ -75,6 +78,7 @@ class ServerSpec:
             kv_cache_gb=self.kv_cache_gb,
             tracing=tracing(self.otel_console),
             metrics_text=metrics_text,
+            metrics_without_key=self.metrics_without_key,
         )
 
 

@@ -19,13 +19,22 @@ Off unless asked for: `from_environment` turns it on for OTLP when OTEL_EXPORTER
 (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set, protocol from OTEL_EXPORTER_OTLP_PROTOCOL
 (http/protobuf, the default, or grpc), and for the console with `serve --otel-console`.
 With tracing off the app is not instrumented and the handles carry None: nothing runs.
+
+No content by default. Spans carry what a request asked for (model, sampling parameters, k)
+and what it cost, never its prompt or its answer: as in the GenAI conventions, content is
+opt-in, with OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true (or SPAN_ONLY,
+SPAN_AND_EVENT), which adds `gen_ai.input.messages` and `gen_ai.output.messages`. An error
+the request caused (a SpecDecodeError: bad ids, a prompt too long...) quotes the request in
+its message, so by default its span records the error's type and parameter, not its message.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -42,6 +51,8 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
+from specdecode.errors import SpecDecodeError
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -51,24 +62,35 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specdecode.server")
 
 NOT_TRACED_URLS = "/metrics,/health"  # Prometheus scrapes and health checks: no spans
+CAPTURE_CONTENT = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+# its values that put content on spans: the older instrumentations' "true", the newer modes
+_CAPTURE_VALUES = ("true", "span_only", "span_and_event")
+
+
+def captures_content() -> bool:
+    """Whether the operator opted in to prompts and answers on spans (off unless set)."""
+    return os.environ.get(CAPTURE_CONTENT, "").strip().lower() in _CAPTURE_VALUES
 
 
 class Tracing:
     """The tracer of one app, from its own TracerProvider (several apps in one process, as in
     the tests, each export to their own exporters)."""
 
-    def __init__(self, provider: TracerProvider):
+    def __init__(self, provider: TracerProvider, capture_content: bool | None = None):
+        """capture_content: prompts, answers and the errors that quote them on spans (None: as
+        OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT says; off when it is not set)."""
         self.provider = provider
         self.tracer = provider.get_tracer("specdecode.server")
+        self.capture_content = captures_content() if capture_content is None else capture_content
 
     @classmethod
-    def to(cls, *exporters: SpanExporter, batch: bool = True) -> Tracing:
+    def to(cls, *exporters: SpanExporter, batch: bool = True, capture_content: bool | None = None) -> Tracing:
         """Spans to these exporters, batched in a background thread (batch=False: each span
         as it ends, in the thread that ends it, as tests want)."""
         provider = TracerProvider(resource=_resource())
         for exporter in exporters:
             provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
-        return cls(provider)
+        return cls(provider, capture_content)
 
     def instrument(self, app: FastAPI) -> None:
         """A server span for every HTTP request but scrapes and health checks, child of the
@@ -104,7 +126,7 @@ class Tracing:
 
     def start(self, model: str) -> RequestTrace:
         """In the request's handler: what its spans will hang under (the HTTP span)."""
-        return RequestTrace(self.tracer, otel_context.get_current(), model)
+        return RequestTrace(self.tracer, otel_context.get_current(), model, self.capture_content)
 
     def flush(self) -> None:
         self.provider.force_flush()
@@ -113,10 +135,11 @@ class Tracing:
 class RequestTrace:
     """One request's spans, created and ended from the engine thread when it ends."""
 
-    __slots__ = ("tracer", "parent", "model")
+    __slots__ = ("tracer", "parent", "model", "capture_content")
 
-    def __init__(self, tracer, parent, model: str):
+    def __init__(self, tracer, parent, model: str, capture_content: bool = False):
         self.tracer, self.parent, self.model = tracer, parent, model
+        self.capture_content = capture_content
 
     @contextmanager
     def current(self) -> Iterator[None]:
@@ -151,6 +174,8 @@ class RequestTrace:
             start_time=ns(request.arrival),
             attributes=_request_attributes(request, self.model),
         )
+        if self.capture_content:
+            span.set_attribute("gen_ai.input.messages", _input_messages(request))
         admitted, first = handle.started_at, handle.first_token_at
         cached = result is not None and result.stats.cached
         phases = [("queue", request.arrival, admitted or now)]
@@ -170,14 +195,52 @@ class RequestTrace:
             span.set_attribute("specdecode.worker_crashes", handle.crashes)
         if result is not None:
             span.set_attributes(_result_attributes(result, self.model))
+            if self.capture_content:
+                span.set_attribute("gen_ai.output.messages", _output_messages(result))
         elif aborted:
             span.set_attribute("gen_ai.response.finish_reasons", ["abort"])
             span.add_event("client_disconnected", timestamp=now_ns)
         if error is not None:
             span.set_attribute("error.type", type(error).__qualname__)
-            span.record_exception(error, timestamp=now_ns)
-            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            message = _error_message(error, self.capture_content)
+            if message == str(error):
+                span.record_exception(error, timestamp=now_ns)
+            else:  # the message and the traceback's last line (which repeats it) withheld
+                stack = "".join(traceback.format_tb(error.__traceback__)) + f"{type(error).__qualname__}: {message}"
+                overrides = {"exception.message": message, "exception.stacktrace": stack}
+                span.record_exception(error, attributes=overrides, timestamp=now_ns)
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {message}"))
         span.end(end_time=now_ns)
+
+
+def _error_message(error: BaseException, capture_content: bool) -> str:
+    """What a span says of an error: its message, unless the request caused it (its message
+    quotes the request: prompt ids, lengths of its text) and content is not captured."""
+    if capture_content or not isinstance(error, SpecDecodeError):
+        return str(error)
+    where = f" in {error.param}" if error.param else ""
+    return f"the request was refused{where} (its message is content: {CAPTURE_CONTENT}=true records it)"
+
+
+def _input_messages(request) -> str:
+    """gen_ai.input.messages: the chat's messages, or the prompt as one user message."""
+    if request.messages is not None:
+        messages = [{"role": m["role"], "parts": [{"type": "text", "content": m["content"]}]} for m in request.messages]
+    else:
+        messages = [{"role": "user", "parts": [_part(request.prompt)]}]
+    return json.dumps(messages)
+
+
+def _output_messages(result: GenerationResult) -> str:
+    """gen_ai.output.messages: the answer, as one assistant message."""
+    part = _part(result.text if result.text is not None else result.token_ids)
+    return json.dumps([{"role": "assistant", "parts": [part], "finish_reason": result.finish_reason}])
+
+
+def _part(content: str | list[int]) -> dict:
+    return (
+        {"type": "text", "content": content} if isinstance(content, str) else {"type": "token_ids", "content": content}
+    )
 
 
 def _request_attributes(request, model: str) -> dict:

@@ -74,6 +74,7 @@ class GenerationRequest:
     templated: bool = False  # the prompt is a rendered chat template: its special tokens are in the text
     stream: bool = False  # publish the text as it is generated
     operation: str = "text_completion"  # gen_ai.operation.name: "chat" or "text_completion"
+    messages: list[dict] | None = None  # a chat's messages as sent (spans record them only if asked: tracing.py)
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -212,13 +213,24 @@ class EngineWorker:
             self._resolve(self._queue.get_nowait(), error=error)
 
     def _recover(self) -> None:
+        """After a crash of the loop. A sequence that finished in the step the crash interrupted
+        is answered now: its tokens are final, and stepped again it would generate past its end.
+        The others have lived through one more crash (the MAX_CRASHES-th fails them) and are
+        rebuilt at their next step, bit for bit as they were (decoder.reset: a crash may have
+        left half-written caches)."""
         for seq in list(self.decoder.active):
+            if seq.finish is not None:
+                try:
+                    self._complete(seq)
+                except Exception as error:  # noqa: BLE001 - answered here or never (decoder.remove let it go)
+                    self._resolve(seq.tag, error=error)
+                continue
             seq.tag.crashes += 1
             if seq.tag.crashes >= MAX_CRASHES:
                 self._fail(
                     seq, WorkerCrashedError(f"the engine worker crashed {MAX_CRASHES} times during this request")
                 )
-        self.decoder.reset()  # a crash may leave half-written caches: re-run every accepted token
+        self.decoder.reset()
 
     def _admit(self) -> None:
         wait = not self.decoder.active  # idle: block briefly for new work
@@ -231,15 +243,33 @@ class EngineWorker:
             if handle.cancelled:
                 self._end(handle, "abort")
                 continue
-            try:
-                seq = self._sequence(handle)
-            except Exception as error:  # noqa: BLE001 - the request's fault (too long, bad ids): its error
-                self._resolve(handle, error=error)
-                continue
+            self._admit_one(handle)
+
+    def _admit_one(self, handle: RequestHandle) -> None:
+        """Start one request: its sequence, a response-cache answer or a batch slot. Whatever
+        fails here is this request's error, answered to it, with its slot given back: the
+        request has left the queue, so an error that reached the loop (a crash) would leave
+        its client waiting for good."""
+        seq = None
+        try:
+            seq = self._sequence(handle)  # the request's own faults (too long, bad ids) are raised here
             handle.started_at = time.perf_counter()
             with _traced(handle):  # a response-cache lookup and a draft-store sync: Redis calls
                 if not self._answer_from_cache(seq):
                     self.decoder.add(seq)
+        except Exception as error:  # noqa: BLE001 - answered to this request alone; the loop goes on
+            if seq is not None:
+                self._undo_admission(seq)
+            self._resolve(handle, error=error)
+
+    def _undo_admission(self, seq: Sequence) -> None:
+        """Take a sequence whose admission failed part way out of the batch, and free its slot."""
+        active = self.decoder.active
+        if any(s is seq for s in active):
+            active[:] = [s for s in active if s is not seq]
+        if seq.slot is not None:
+            self.decoder.slots.release(seq.slot)
+            seq.slot = None
 
     def _answer_from_cache(self, seq: Sequence) -> bool:
         """A deterministic request seen before: answered at once, without a slot or a forward."""
@@ -421,8 +451,6 @@ class EngineWorker:
         m.draft_tokens.inc(stats.drafted_tokens)
         m.accepted_tokens.inc(stats.accepted_tokens)
         m.target_forwards.inc(stats.target_forwards)
-        for position, accepted in enumerate(stats.accepted_per_position):
-            m.accepted_per_position.labels(str(position)).inc(accepted)
         sources = stats.drafted_by_source or {stats.drafter: [stats.drafted_tokens, stats.accepted_tokens]}
         for source, (drafted, accepted) in sources.items():
             if drafted:
