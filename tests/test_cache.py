@@ -206,7 +206,8 @@ def test_poisoned_redis_entries_change_nothing(bf16_model):
         client = redis.Redis.from_url(url)
         for key in client.scan_iter("*:resp:*"):
             value = client.get(key)
-            client.set(key, value[:-4] + np.array([17], dtype=np.int32).tobytes())  # the last token altered
+            other = 16 if int(np.frombuffer(value[-4:], dtype=np.int32)[0]) == 17 else 17  # not the token it held
+            client.set(key, value[:-4] + np.array([other], dtype=np.int32).tobytes())  # the last token altered
         log = engine.drafter.store.log
         for record in (
             b"garbage",

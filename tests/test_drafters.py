@@ -195,3 +195,61 @@ def test_a_draft_model_prefills_the_prompt_at_begin_not_in_its_first_draft():
     runner.forward = lambda tokens, n: ran.append(len(tokens)) or forward(tokens, n)
     drafter.propose(prompt + [4], 3, SamplingParams(), None)
     assert ran == [2, 1, 1]  # the prompt's last token and the new one, then a draft token each
+
+
+def test_every_drafter_declares_whether_it_drafts_trees_and_learns():
+    from specdecode.cache import DraftStore
+    from specdecode.cache.backends import InProcessBackend
+    from specdecode.drafters.base import Draft
+    from specdecode.drafters.recycling import RecyclingDrafter
+    from specdecode.drafters.suffix import SuffixDrafter
+
+    target = tiny_llama(seed=1)
+    draft, draft_tokenizer = permuted_vocabulary(target)
+    store = DraftStore(InProcessBackend(), "test", 24)
+    drafters = {
+        PromptLookupDrafter(): False,
+        PromptLookupDrafter(tree=True): True,
+        RecyclingDrafter(24): True,
+        SuffixDrafter(store): False,
+        ModelDrafter(HFModelRunner(target)): False,
+        ModelDrafter(HFModelRunner(target), tree=True): True,
+        self_quantized_drafter(target, "bfloat16"): False,
+        CrossTokenizerDrafter(HFModelRunner(draft), draft_tokenizer, tiny_tokenizer()): False,
+    }
+    for drafter, trees in drafters.items():
+        assert drafter.drafts_trees is trees, drafter.name
+        drafter.learn([3, 5], Draft(torch.tensor([7]), None), torch.randn(2, 24))  # all take the hook
+
+
+def test_auto_drafts_recycling_trees_first_where_the_target_verifies_trees():
+    from specdecode.drafters.factory import DrafterOptions, make_drafter
+    from specdecode.drafters.recycling import RecyclingDrafter
+
+    target = tiny_llama(seed=1)
+    runner = HFModelRunner(target)
+    chains = make_drafter("auto", nearby_draft(target, 0.3), runner, None, None, "transformers", DrafterOptions())
+    assert [c.name for c in chains.candidates] == ["prompt-lookup", "model"]  # as before
+    assert not any(c.drafts_trees for c in chains.candidates)
+    runner.verifies_trees = True  # as the fast runner declares where its tree kernel runs
+    auto = make_drafter(
+        "auto", nearby_draft(target, 0.3), runner, None, None, "transformers", DrafterOptions(recycling_width=4)
+    )
+    recycling, lookup, model = auto.candidates
+    assert isinstance(recycling, RecyclingDrafter) and recycling.tree and recycling.width == 4
+    assert recycling.lookup.drafts_trees and lookup.drafts_trees and model.drafts_trees
+    assert auto.drafts_trees and not auto.per_sequence  # a draft model: batches of one sequence
+    only_lookup = make_drafter("auto", None, runner, None, None, "transformers", DrafterOptions())
+    assert [c.name for c in only_lookup.candidates] == ["recycling", "prompt-lookup"]
+    # seeded samples skip recycling (its table depends on history): the lookup tree drafts for them
+    assert recycling.depends_on_history and not lookup.depends_on_history
+
+
+def test_the_recycling_width_is_checked():
+    from specdecode.drafters.factory import DrafterOptions
+
+    for width in (0, -1, 2.5, True):
+        with pytest.raises(InvalidArgumentError, match="recycling_width"):
+            SpeculativeEngine.from_pretrained(
+                "unused", drafter="recycling", options=DrafterOptions(recycling_width=width)
+            )

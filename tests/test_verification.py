@@ -174,3 +174,15 @@ def test_minus_inf_logits_and_masks_still_work():
     top_p = logits_to_probs(masked, SamplingParams(1.0, top_p=0.5))
     assert torch.equal(top_p > 0, torch.eye(4, dtype=torch.bool)[[1, 0]])
     assert torch.equal(logits_to_probs(masked, SamplingParams(0.0)), torch.eye(4)[[1, 0]])
+
+
+@settings(max_examples=100, deadline=None)
+@given(k=st.integers(0, 5), seed=st.integers(0, 2**31 - 1), greedy=st.booleans())
+def test_a_chains_accepted_path_is_its_accepted_prefix(k, seed, greedy):
+    """Every verdict names its accepted nodes; a chain's are 0 .. num_accepted - 1."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(k + 1, 6, generator=g)
+    draft = torch.randint(0, 6, (k,), generator=g)
+    params = SamplingParams(0.0 if greedy else 1.0)
+    verdict = verify_logits(draft, None, logits, params, torch.Generator().manual_seed(seed))
+    assert verdict.path == tuple(range(verdict.num_accepted))

@@ -27,7 +27,11 @@ stderr = Console(stderr=True)
 TargetOption = Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")]
 DraftOption = Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")]
 DrafterOption = Annotated[
-    str, typer.Option(help="auto, model, prompt-lookup, suffix, self-quantized, cross-tokenizer or none.")
+    str,
+    typer.Option(
+        help="auto, model, prompt-lookup, recycling (the target's own past predictions), suffix, self-quantized, "
+        "cross-tokenizer or none."
+    ),
 ]
 KOption = Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
@@ -252,6 +256,16 @@ def bench(
             help="prompt-lookup and/or model (repeatable) \\[default: prompt-lookup, and model with --draft]."
         ),
     ] = None,
+    system: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--system",
+            "--systems",
+            help="Also run llama.cpp (plain decoding, flash attention on) and/or llama.cpp+lookup (its "
+            "prompt-lookup drafter, 2 tokens a step) on the target's .gguf, in a process of their own; "
+            "repeatable or comma-separated; greedy only (pip install 'specdecode\\[llamacpp]') \\[default: none].",
+        ),
+    ] = None,
     k: Annotated[
         Optional[list[str]],
         typer.Option("-k", help="Tokens drafted per step, repeatable or comma-separated \\[default: 2,4,6]."),
@@ -286,7 +300,9 @@ def bench(
     from specdecode.bench import BenchConfig, overall_table, run_benchmark, write_outputs
 
     if workload == "repeat":
-        options = dict(draft=draft, drafter=drafter, k=k, prompts=prompts, category=category, runs=runs, quick=quick)
+        options = dict(
+            draft=draft, drafter=drafter, system=system, k=k, prompts=prompts, category=category, runs=runs, quick=quick
+        )
         _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, seed, output_dir, options)
         return
     with user_errors():
@@ -297,6 +313,7 @@ def bench(
             target=target,
             drafts=draft,
             drafters=drafter,
+            systems=system,
             k_values=k,
             prompts=prompts,
             categories=category,
@@ -421,7 +438,7 @@ def profile(
     prefix: Annotated[int, typer.Option(help="Cached tokens before the timed forward.")] = 200,
     repeats: Annotated[int, typer.Option(help="Timed forwards per size (the median is shown).")] = 7,
 ) -> None:
-    """Time cached forwards over 1-16 new tokens beside the memory-bandwidth and compute floors."""
+    """Time cached forwards over 1-32 new tokens beside the memory-bandwidth and compute floors."""
     from specdecode.bench.profiler import measure_hardware, profile_forward, render_table
     from specdecode.loading import load_model
     from specdecode.runners import runner_for

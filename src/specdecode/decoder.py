@@ -12,16 +12,24 @@ active (runners/slots.py); a *step* is one target forward. `Decoder.step` runs t
    decoding does, so both start from the same cache (the fast paths' half precision relies
    on it). A rebuilt sequence's prefill decides nothing: its next token is known;
 2. draft: each other sequence's drafters propose up to its k tokens (ragged: some propose
-   none); k is chosen here, from what was measured (core/adaptive.py);
-3. verify: the target runs every sequence's uncached tokens and drafts in ONE forward. A
-   rebuilt sequence's generated tokens (uncached but its last) run here too, with every
-   row's logits asked for: the fast paths then attend one query at a time, as when those
-   tokens were first decoded or verified, so their cache and the next logits are bitwise
-   those of the uninterrupted run ("rebuild" below);
-4. accept: each sequence applies the accept/reject rule with its own sampling params and
-   generator and keeps its own number of tokens (ragged acceptance); every verdict and
-   every stop is decided before anything is changed, so a step that raises changes
-   nothing (the generators are restored) and can simply be run again;
+   none), a chain or a tree of k nodes; k is chosen here, from what was measured
+   (core/adaptive.py: by position for chains, by tree size for drafters of trees). A target
+   that cannot verify trees (runner.verifies_trees False) runs a tree's first path, a chain;
+3. verify: the target runs every sequence's uncached tokens and drafts in ONE forward (a
+   tree's nodes each attend to the cache, the root and their ancestors). A rebuilt
+   sequence's generated tokens (uncached but its last) run here too, with every row's
+   logits asked for: the fast paths then attend one query at a time, as when those tokens
+   were first decoded or verified, so their cache and the next logits are bitwise those of
+   the uninterrupted run ("rebuild" below);
+4. accept: each sequence applies the accept/reject rule (a chain's, or a tree's: its
+   accepted path) with its own sampling params and generator and keeps its own number of
+   tokens (ragged acceptance); every verdict and every stop is decided before anything is
+   changed. Then a tree's accepted path has its cache entries moved to consecutive positions
+   (`SlotPool.keep`; a path that is the chain prefix needs none: phase 0's crop keeps it),
+   and every drafter of each sequence learns what the target predicted (`learn`). A step that
+   raises changes no sequence (the generators are restored; a slot whose entries were moved,
+   or half moved, still holds the accepted prefix, which phase 0 crops back to or rebuilds)
+   and can simply be run again;
 5. commit: tokens appended, the cache's length set to the accepted prefix, stats, stopping.
 
 Exactness: a sequence is verified by the same rule, on the same logits, whether it runs
@@ -47,11 +55,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdecode.core.adaptive import AdaptiveK, StepCosts
+from specdecode.core.adaptive import AdaptiveK, AdaptiveTree, StepCosts
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
 from specdecode.core.stopping import Stop, StoppingCriteria
-from specdecode.core.verification import Verdict, verify_logits
+from specdecode.core.verification import Verdict, verify_logits, verify_tree
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.runners.base import ModelRunner
 from specdecode.runners.slots import SlotPool
@@ -100,7 +108,7 @@ class _Decision:
     """What one step decided for one sequence, applied only once every sequence has one."""
 
     verdict: Verdict
-    emitted: list[int]  # accepted drafts + the recovered or bonus token
+    emitted: list[int]  # accepted drafts (a tree's accepted path) + the recovered or bonus token
     finish: Stop | None
 
 
@@ -123,7 +131,9 @@ class Decoder:
         self.capacity = 1  # most sequences active at once
         self.costs = StepCosts()  # seconds of a verification forward, by the tokens in it (all sequences)
         self._sizes_run: set[int] = set()  # forward sizes run at least once (see _record_cost)
-        self.policies: dict[str, AdaptiveK] = {}  # drafter name -> its acceptance, pooled over sequences
+        # drafter name -> its acceptance, pooled over sequences: by position for chains, by tree size for trees
+        self.policies: dict[str, AdaptiveK | AdaptiveTree] = {}
+        self.verifies_trees = bool(getattr(runner, "verifies_trees", False))  # else a tree's first path runs
         self.active: list[Sequence] = []
 
     @property
@@ -175,23 +185,26 @@ class Decoder:
         states = [seq.generator.get_state() for seq in sequences]
         try:
             self._roll_back(sequences)
-            drafts = self._draft(sequences)
+            drafts, asked = self._draft(sequences)
             forward_tokens = sum(len(seq.tokens) - seq.cached + len(d) for seq, d in zip(sequences, drafts))
             start = time.perf_counter()
             logits = self._verify(sequences, drafts)
             if after_forward is not None:
                 after_forward()
             decisions = [self._decide(*args) for args in zip(sequences, drafts, logits, strict=True)]
+            for seq, draft, decision in zip(sequences, drafts, decisions, strict=True):
+                self._keep_path(seq, draft, decision)
+            seconds = time.perf_counter() - start
+            for args in zip(sequences, drafts, logits, decisions, strict=True):
+                self._learn(*args)
         except BaseException:
             for seq, state in zip(sequences, states, strict=True):
                 seq.generator.set_state(state)  # a retried step draws the same numbers
                 _lived_through_a_failure(seq)
             raise
         if not any(seq.prefilling for seq in sequences):  # a decoding step's cost, for adaptive k
-            self._record_cost(forward_tokens, time.perf_counter() - start)
-        return [
-            (seq, self._commit(seq, d, decision)) for seq, d, decision in zip(sequences, drafts, decisions, strict=True)
-        ]
+            self._record_cost(forward_tokens, seconds)
+        return [(seq, self._commit(seq, *args)) for seq, *args in zip(sequences, drafts, decisions, asked, strict=True)]
 
     # --- phases ---
 
@@ -205,69 +218,111 @@ class Decoder:
                 seq.cached = 0
                 self.slots.crop(seq.slot, 0)
 
-    def _draft(self, sequences: list[Sequence]) -> list[Draft]:
+    def _draft(self, sequences: list[Sequence]) -> tuple[list[Draft], list[int]]:
+        """Each sequence's draft, and the k it was asked for (0: nothing asked)."""
         chosen: dict[str, int] = {}  # this step's k per drafter, chosen on first use
         k_max = max(seq.k_max for seq in sequences)
-        return [self._propose(seq, chosen, k_max, len(sequences)) for seq in sequences]
+        proposals = [self._propose(seq, chosen, k_max, len(sequences)) for seq in sequences]
+        return [draft for draft, _ in proposals], [k for _, k in proposals]
 
-    def _propose(self, seq: Sequence, chosen: dict[str, int], k_max: int, batch_size: int) -> Draft:
+    def _propose(self, seq: Sequence, chosen: dict[str, int], k_max: int, batch_size: int) -> tuple[Draft, int]:
         room = min(seq.stopping.max_new_tokens - len(seq.generated), self.max_length - len(seq.tokens))
         if seq.k_max == 0 or room <= 1 or seq.prompt_uncached:  # drafting past the budget is waste
-            return Draft.empty()
+            return Draft.empty(), 0
         for drafter in seq.drafters:
-            k = min(self._k(seq, drafter.name, chosen, k_max, batch_size), room - 1)
+            k = min(self._k(seq, drafter, chosen, k_max, batch_size), room - 1)
             if k == 0:
                 continue
             start = time.perf_counter()
-            draft = drafter.propose(seq.tokens, k, seq.params, seq.generator)
-            policy = self._policy(drafter.name)
+            draft = self._runnable(drafter.propose(seq.tokens, k, seq.params, seq.generator))
+            policy = self._policy(drafter)
             policy.record_draft(len(draft), time.perf_counter() - start)
             if len(draft):
-                return replace(draft, source=drafter.name)
+                return replace(draft, source=drafter.name), k
             if batch_size > 1:
                 # the batch's forward grows with the others' drafts whether this sequence
                 # drafts or not, so for the policy proposing nothing gained nothing
-                policy.record_verdict(1, 0)
-        return Draft.empty()
+                policy.record_no_draft(k)
+        return Draft.empty(), 0
 
-    def _k(self, seq: Sequence, name: str, chosen: dict[str, int], k_max: int, batch_size: int) -> int:
+    def _runnable(self, draft: Draft) -> Draft:
+        """The draft as this target verifies it: a tree's first path where trees cannot be
+        verified; a tree that is a chain as a chain (the chain rule, and its random numbers)."""
+        if draft.is_chain:
+            return draft
+        if not self.verifies_trees or draft.parent_list() == list(range(-1, len(draft) - 1)):
+            return draft.first_path()
+        return draft
+
+    def _k(self, seq: Sequence, drafter: Drafter, chosen: dict[str, int], k_max: int, batch_size: int) -> int:
         if seq.fixed_k or not self.adaptive:
             return seq.k_max
-        if name not in chosen:  # one choice per drafter and step: the policy counts steps
-            chosen[name] = self._policy(name).choose(k_max, batch_size)
-        return min(chosen[name], seq.k_max)
+        if drafter.name not in chosen:  # one choice per drafter and step: the policy counts steps
+            chosen[drafter.name] = self._policy(drafter).choose(k_max, batch_size)
+        return min(chosen[drafter.name], seq.k_max)
 
     def _verify(self, sequences: list[Sequence], drafts: list[Draft]) -> list[torch.Tensor]:
         """One target forward: [len(draft) + 1, vocab] logits per sequence, after its last
         token and after each of its draft tokens (a prefill's: [1, vocab], after its prompt).
         A rebuilt sequence asks for every new row's logits, so that the fast paths run them
         one query at a time, as they first ran (module docstring); only the last are kept."""
-        new_tokens, num_logits = [], []
+        new_tokens, num_logits, parents = [], [], []
         for seq, draft in zip(sequences, drafts, strict=True):
             end = len(seq.prompt_ids) if seq.prompt_uncached else len(seq.tokens)
-            new_tokens.append(torch.tensor(seq.tokens[seq.cached : end] + draft.tokens.tolist()))
+            uncached = seq.tokens[seq.cached : end]
+            new_tokens.append(torch.tensor(uncached + draft.tokens.tolist()))
             num_logits.append(1 if seq.prompt_uncached else len(new_tokens[-1]))
-        logits = self.slots.forward([s.slot for s in sequences], new_tokens, num_logits)
+            parents.append(None if draft.is_chain else _forward_parents(len(uncached), draft))
+        slots = [s.slot for s in sequences]
+        if any(p is not None for p in parents):
+            logits = self.slots.forward(slots, new_tokens, num_logits, parents)
+        else:
+            logits = self.slots.forward(slots, new_tokens, num_logits)
         return [rows[rows.shape[0] - len(d) - 1 :] for rows, d in zip(logits, drafts, strict=True)]
 
     def _decide(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> _Decision | None:
         if seq.prompt_uncached and seq.rebuilding:
             return None  # its next token is known: the prefill only rebuilt the prompt's cache
-        verdict = verify_logits(draft.tokens, draft.probs, logits, seq.params, seq.generator)
-        emitted = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+        if draft.is_chain:
+            verdict = verify_logits(draft.tokens, draft.probs, logits, seq.params, seq.generator)
+        else:
+            verdict = verify_tree(draft.tokens, draft.parents, logits, seq.params, seq.generator)
+        emitted = draft.tokens[list(verdict.path)].tolist() + [verdict.next_token]
         context_full = len(seq.tokens) + len(emitted) >= self.max_length
         return _Decision(verdict, emitted, seq.stopping.check(seq.generated + emitted, len(emitted), context_full))
 
-    def _commit(self, seq: Sequence, draft: Draft, decision: _Decision | None) -> list[int]:
+    def _keep_path(self, seq: Sequence, draft: Draft, decision: _Decision | None) -> None:
+        """A tree's accepted path to consecutive cache positions after the uncached tokens,
+        unless it is the chain prefix (which phase 0's crop keeps as it is)."""
+        if decision is None or draft.is_chain:
+            return
+        path = decision.verdict.path
+        if path == tuple(range(len(path))):
+            return
+        uncached = len(seq.tokens) - seq.cached
+        self.slots.keep(seq.slot, seq.cached, list(range(uncached)) + [uncached + i for i in path])
+
+    def _learn(self, seq: Sequence, draft: Draft, logits: torch.Tensor, decision: _Decision | None) -> None:
+        """Every drafter of the sequence sees what the target predicted: logits [len(draft) + 1,
+        vocab] after its last token and after each draft node (a prefill's: one row)."""
+        if decision is None:
+            return  # a rebuilt prompt: its drafters learnt it when it was first run
+        for drafter in seq.drafters:
+            learn = getattr(drafter, "learn", None)
+            if learn is not None:
+                learn(seq.tokens, draft, logits)
+
+    def _commit(self, seq: Sequence, draft: Draft, decision: _Decision | None, asked: int) -> list[int]:
         if decision is None:  # a rebuilt prompt
             seq.stats.record_replay(len(seq.prompt_ids), forward=True)
             seq.cached = len(seq.prompt_ids)
             return []
         accepted, emitted = decision.verdict.num_accepted, decision.emitted
-        if len(draft):
-            self._policy(draft.source).record_verdict(len(draft), accepted)
+        if len(draft):  # a tree's size and accepted depth
+            self.policies[draft.source].record_verdict(len(draft), accepted, asked)
             next(d for d in seq.drafters if d.name == draft.source).observe(len(draft), accepted)
-        seq.stats.record_step(len(draft), accepted, draft.source if len(seq.drafters) > 1 else None)
+        depths = None if draft.is_chain else draft.depths()
+        seq.stats.record_step(len(draft), accepted, draft.source if len(seq.drafters) > 1 else None, depths)
         if seq.rebuilding:
             seq.stats.record_replay(len(seq.tokens) - seq.cached - 1)  # run again, but the last
         seq.cached = len(seq.tokens) + accepted  # the next token is not in the cache yet
@@ -289,10 +344,20 @@ class Decoder:
             self.costs.record(tokens, seconds)
         self._sizes_run.add(tokens)
 
-    def _policy(self, name: str) -> AdaptiveK:
-        if name not in self.policies:
-            self.policies[name] = AdaptiveK(self.costs)
-        return self.policies[name]
+    def _policy(self, drafter: Drafter) -> AdaptiveK | AdaptiveTree:
+        """A drafter's policy: by tree size for a drafter of trees this target verifies, else by
+        position (a chain, or a tree's first path)."""
+        if drafter.name not in self.policies:
+            trees = self.verifies_trees and getattr(drafter, "drafts_trees", False)
+            self.policies[drafter.name] = AdaptiveTree(self.costs) if trees else AdaptiveK(self.costs)
+        return self.policies[drafter.name]
+
+
+def _forward_parents(uncached: int, draft: Draft) -> torch.Tensor:  # [uncached + len(draft)] int64
+    """Parents within a forward's new tokens: the uncached tokens a chain after the cache (-1),
+    the draft's root (-1) being the last of them."""
+    parents = list(range(-1, uncached - 1)) + [uncached - 1 if p < 0 else uncached + p for p in draft.parent_list()]
+    return torch.tensor(parents, dtype=torch.long)
 
 
 def _lived_through_a_failure(seq: Sequence) -> None:

@@ -11,6 +11,7 @@ import shlex
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from specdecode.bench.llamacpp import LLAMACPP_SYSTEMS
 from specdecode.core.sampling import SamplingParams
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
@@ -33,6 +34,7 @@ class BenchConfig:
     target: str = DEFAULT_TARGET
     drafts: tuple[str, ...] = ()  # draft models, for the "model" drafter and HF assisted generation
     drafters: tuple[str, ...] = ()  # empty = prompt-lookup, plus model when drafts are given
+    systems: tuple[str, ...] = ()  # systems beside (a)-(d): llama.cpp's (llamacpp.LLAMACPP_SYSTEMS)
     k_values: tuple[int, ...] = (2, 4, 6)
     prompts: str | None = None  # a JSONL file; None = the Spec-Bench subset shipped in the package
     categories: tuple[str, ...] = ()  # empty = all categories in the prompt file
@@ -67,6 +69,8 @@ class BenchConfig:
                 values[name] = value
         if "k_values" in values:
             values["k_values"] = _k_values(values["k_values"])
+        if "systems" in values:
+            values["systems"] = tuple(dict.fromkeys(values["systems"]))  # each runs once
         config = cls(quick=quick, **values)
         config.validate()
         return config
@@ -87,6 +91,16 @@ class BenchConfig:
             raise InvalidArgumentError(
                 f"unknown drafter '{unknown[0]}' for bench; choose from: {', '.join(BENCH_DRAFTERS)} "
                 "(target-only runs are always included)"
+            )
+        unknown = [s for s in self.systems if s not in LLAMACPP_SYSTEMS]
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown system '{unknown[0]}' for bench; choose from: {', '.join(LLAMACPP_SYSTEMS)} "
+                "((a)-(d) always run)"
+            )
+        if self.systems and self.temperature != 0:
+            raise InvalidArgumentError(
+                f"--system {self.systems[0]} decodes greedily only; use --temperature 0 or leave out --system"
             )
         if "model" in self.active_drafters and not self.drafts:
             raise InvalidArgumentError("drafter 'model' needs a draft model: pass --draft NAME")
@@ -114,6 +128,7 @@ class BenchConfig:
             ("--target", self.target),
             *(("--draft", d) for d in self.drafts),
             *(("--drafter", d) for d in self.active_drafters),
+            *(("--system", s) for s in self.systems),
             *(("-k", str(k)) for k in self.k_values),
             *([("--prompts", self.prompts)] if self.prompts else []),
             *(("--category", c) for c in self.categories),

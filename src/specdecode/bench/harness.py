@@ -16,17 +16,29 @@ from transformers import PreTrainedModel
 from specdecode.bench.config import BenchConfig
 from specdecode.bench.costs import ForwardCosts, measure_costs
 from specdecode.bench.environment import describe_environment, load_average
+from specdecode.bench.llamacpp import LOOKUP_TOKENS, NOT_INSTALLED, gguf_file, installed
 from specdecode.bench.measurement import Measurement
-from specdecode.bench.metrics import Row, summarize
+from specdecode.bench.metrics import ALL, Row, summarize
 from specdecode.bench.progress import bench_progress
 from specdecode.bench.prompts import BenchPrompt, load_prompts, select_prompts
 from specdecode.bench.quality import Difference, add_perplexities, compare_greedy
-from specdecode.bench.systems import EngineSystem, HFSystem, SystemSpec, build_systems, load_draft, plan_systems
+from specdecode.bench.systems import (
+    EngineSystem,
+    HFSystem,
+    LlamaCppSystem,
+    System,
+    SystemSpec,
+    build_systems,
+    close_systems,
+    load_draft,
+    plan_systems,
+)
 from specdecode.core.sampling import SamplingParams
 from specdecode.engine import CacheOptions, SpeculativeEngine
 from specdecode.errors import InvalidArgumentError
 
 WARM_UP_TOKENS = 8
+LLAMACPP_BATCH = 512
 
 
 @dataclass
@@ -47,11 +59,30 @@ def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchR
     """Measure every system of config on its prompts; returns everything measured (nothing is written)."""
     console = console or Console(stderr=True)
     prompts = select_prompts(load_prompts(config.prompts), config.categories, config.prompts_per_category)
+    llamacpp = llamacpp_systems(config, console)
+    gguf = gguf_file(config.target) if llamacpp else None  # a target without one is refused before the load
     with console.status(f"Loading {', '.join((config.target, *config.drafts))}"):
         engine, draft_models = load_models(config)
     prompts, prompt_ids, skipped = encode_prompts(engine, prompts, config)
-    specs = plan_systems(config.active_drafters, config.drafts, config.k_values)
-    systems = build_systems(specs, engine, draft_models)
+    specs = plan_systems(config.active_drafters, config.drafts, config.k_values, llamacpp)
+    with console.status("Starting llama.cpp" if llamacpp else "Preparing the systems"):
+        systems = build_systems(specs, engine, draft_models, gguf, llamacpp_context(prompt_ids, config))
+    try:
+        return measure_systems(config, console, engine, systems, prompts, prompt_ids, skipped)
+    finally:
+        close_systems(systems)
+
+
+def measure_systems(
+    config: BenchConfig,
+    console: Console,
+    engine: SpeculativeEngine,
+    systems: list[System],
+    prompts: list[BenchPrompt],
+    prompt_ids: dict[str, list[int]],
+    skipped: list[dict],
+) -> BenchResult:
+    """Warm-up, step costs, timing, then the outputs checked and summed up."""
     with console.status("Warming up every system"):
         for system in systems:
             warm_up_tokens = min(WARM_UP_TOKENS, config.max_new_tokens)
@@ -61,6 +92,9 @@ def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchR
 
     model = engine.target_runner.model
     environment = describe_environment(model.device, model.dtype, type(engine.target_runner).__name__)
+    for system in systems:
+        if isinstance(system, LlamaCppSystem):
+            environment["versions"]["llama-cpp-python"] = system.options["version"]
     measurements = time_systems(systems, prompts, prompt_ids, config, console)
     environment["load_average_1m_after"] = load_average()
 
@@ -71,6 +105,9 @@ def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchR
     else:
         with console.status("Scoring outputs by the target's perplexity"):
             add_perplexities(measurements, prompt_ids, model)
+    specs = [system.spec for system in systems]
+    rows = summarize(measurements, specs, costs, config.greedy)
+    add_llamacpp_forwards(rows, measurements)
     return BenchResult(
         config,
         environment,
@@ -81,8 +118,22 @@ def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchR
         costs,
         measurements,
         differences,
-        summarize(measurements, specs, costs, config.greedy),
+        rows,
     )
+
+
+def llamacpp_systems(config: BenchConfig, console: Console) -> tuple[str, ...]:
+    """The llama.cpp systems asked for, or none, said in one line, where llama-cpp-python is missing."""
+    if config.systems and not installed():
+        console.print(NOT_INSTALLED, markup=False, highlight=False, soft_wrap=True)
+        return ()
+    return config.systems
+
+
+def llamacpp_context(prompt_ids: dict[str, list[int]], config: BenchConfig) -> int:
+    """llama.cpp's context: the longest prompt, its new tokens, and a last draft past them; at
+    least llama-cpp-python's default batch of 512, which it cuts down to a smaller context."""
+    return max(max(map(len, prompt_ids.values())) + config.max_new_tokens + LOOKUP_TOKENS + 1, LLAMACPP_BATCH)
 
 
 def load_models(config: BenchConfig) -> tuple[SpeculativeEngine, dict[str, PreTrainedModel]]:
@@ -126,7 +177,7 @@ def encode_prompts(
 
 def measure_step_costs(
     engine: SpeculativeEngine,
-    systems: list[HFSystem | EngineSystem],
+    systems: list[System],
     prompt_ids: dict[str, list[int]],
     config: BenchConfig,
 ) -> ForwardCosts:
@@ -138,7 +189,7 @@ def measure_step_costs(
 
 
 def time_systems(
-    systems: list[HFSystem | EngineSystem],
+    systems: list[System],
     prompts: list[BenchPrompt],
     prompt_ids: dict[str, list[int]],
     config: BenchConfig,
@@ -180,7 +231,7 @@ def time_systems(
     return measurements
 
 
-def describe_system(system: HFSystem | EngineSystem) -> dict:
+def describe_system(system: System) -> dict:
     spec = system.spec
     described = {
         "name": spec.name,
@@ -193,4 +244,17 @@ def describe_system(system: HFSystem | EngineSystem) -> dict:
     if isinstance(system, HFSystem):
         # what was passed to generate, less the assistant model object itself
         described["generate_options"] = {k: v for k, v in system.options.items() if k != "assistant_model"}
+    elif isinstance(system, LlamaCppSystem):
+        described["llama_cpp"] = system.options  # the file, and the settings its context was created with
     return described
+
+
+def add_llamacpp_forwards(rows: list[Row], measurements: list[Measurement]) -> None:
+    """Tokens per forward of llama.cpp's drafter, from the forwards its worker counted
+    (metrics.summarize counts acceptance from the engine's own stats only)."""
+    for row in rows:
+        if row.group != "f":
+            continue
+        chosen = [m for m in measurements if m.system == row.system and row.category in (ALL, m.category)]
+        forwards = sum(m.stats["target_forwards"] for m in chosen)
+        row.mean_accepted_length = sum(m.new_tokens for m in chosen) / forwards if forwards else None

@@ -98,7 +98,7 @@ def profile_forward(
     runner: ModelRunner,
     model: PreTrainedModel,
     hardware: Hardware,
-    new_tokens: tuple[int, ...] = (1, 2, 4, 5, 8, 16),
+    new_tokens: tuple[int, ...] = (1, 2, 4, 5, 8, 16, 32),
     prefix: int = 200,
     repeats: int = 7,
 ) -> list[ForwardCost]:

@@ -3,7 +3,10 @@
 (a) transformers' `generate`, target only;
 (b) transformers' assisted generation: prompt lookup, or an assistant (draft) model;
 (c) this engine, target only (the same loop with k = 0);
-(d) this engine with a drafter and k.
+(d) this engine with a drafter and k;
+and where asked (`--system`, llamacpp.py), on the .gguf file the target was loaded from:
+(e) llama.cpp's plain decoding;
+(f) llama.cpp with llama-cpp-python's prompt-lookup drafter.
 
 Every system is timed the same way, from prompt ids in to token ids out, so the
 comparison covers prefill, decoding and all per-step overhead alike.
@@ -18,18 +21,20 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.bench.llamacpp import LOOKUP, LOOKUP_TOKENS, PLAIN, LlamaCppCounts, LlamaCppWorker
 from specdecode.core.stats import GenerationStats
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.engine import SpeculativeEngine
+from specdecode.errors import VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary, load_model
 from specdecode.runners import runner_for
 
-HF, ENGINE = "hf", "specdecode"
+HF, ENGINE, LLAMACPP = "hf", "specdecode", "llama.cpp"
 
 
 @dataclass(frozen=True)
 class SystemSpec:
-    framework: str  # HF or ENGINE
+    framework: str  # HF, ENGINE or LLAMACPP
     drafter: str = "none"  # "none", "prompt-lookup" or "model"
     k: int = 0  # tokens drafted per step; 0 for target-only
     draft: str | None = None  # the draft model, for drafter "model"
@@ -40,10 +45,15 @@ class SystemSpec:
 
     @property
     def group(self) -> str:
-        """The issue's letter: a, b (transformers), c, d (this engine)."""
-        return {(HF, False): "a", (HF, True): "b", (ENGINE, False): "c", (ENGINE, True): "d"}[
-            (self.framework, self.speculative)
-        ]
+        """The issue's letter: a, b (transformers), c, d (this engine), e, f (llama.cpp)."""
+        return {
+            (HF, False): "a",
+            (HF, True): "b",
+            (ENGINE, False): "c",
+            (ENGINE, True): "d",
+            (LLAMACPP, False): "e",
+            (LLAMACPP, True): "f",
+        }[(self.framework, self.speculative)]
 
     @property
     def series(self) -> str:
@@ -62,22 +72,32 @@ class SystemSpec:
         return replace(self, framework=framework)
 
 
-def plan_systems(drafters: tuple[str, ...], drafts: tuple[str, ...], k_values: tuple[int, ...]) -> list[SystemSpec]:
-    """(a), then (b) for every drafter and k, (c), then (d) for every drafter and k."""
+def plan_systems(
+    drafters: tuple[str, ...], drafts: tuple[str, ...], k_values: tuple[int, ...], llamacpp: tuple[str, ...] = ()
+) -> list[SystemSpec]:
+    """(a), then (b) for every drafter and k, (c), then (d) for every drafter and k, then the
+    llama.cpp systems named in llamacpp: (e) and (f), whose k is the drafter's own setting."""
     speculative = [
         SystemSpec(ENGINE, drafter, k, draft)
         for drafter in drafters
         for draft in (drafts if drafter == "model" else (None,))
         for k in k_values
     ]
-    return [SystemSpec(HF), *(s.on(HF) for s in speculative), SystemSpec(ENGINE), *speculative]
+    llama = {PLAIN: SystemSpec(LLAMACPP), LOOKUP: SystemSpec(LLAMACPP, "prompt-lookup", LOOKUP_TOKENS)}
+    return [
+        SystemSpec(HF),
+        *(s.on(HF) for s in speculative),
+        SystemSpec(ENGINE),
+        *speculative,
+        *(llama[name] for name in (PLAIN, LOOKUP) if name in llamacpp),
+    ]
 
 
 @dataclass
 class Output:
     token_ids: list[int]  # new tokens only
     wall_time_s: float
-    stats: GenerationStats | None  # this engine's own counts; None for transformers
+    stats: GenerationStats | LlamaCppCounts | None  # this engine's own counts, llama.cpp's; None for transformers
 
 
 class HFSystem:
@@ -136,22 +156,69 @@ class EngineSystem:
         return Output(result.token_ids, seconds, result.stats)
 
 
+class LlamaCppSystem:
+    """llama.cpp in a worker process of its own, on the target's .gguf file, greedy, with flash
+    attention on (the faster setting where it was measured), with or without its prompt-lookup drafter."""
+
+    def __init__(self, spec: SystemSpec, engine: SpeculativeEngine, gguf: Path, n_ctx: int):
+        self.spec = spec
+        self.stop = sorted(engine.eos_token_ids)  # the engine's end-of-sequence ids, as transformers gets them
+        draft_tokens = spec.k if spec.speculative else None
+        self.worker = LlamaCppWorker(gguf, torch.get_num_threads(), n_ctx, draft_tokens, flash_attn=True)
+        self.options = {"model": str(gguf)} | {k: v for k, v in self.worker.info.items() if k != "ready"}
+        if self.worker.info["n_vocab"] != engine.target_runner.vocab_size:
+            self.worker.close()
+            raise VocabularyMismatchError(
+                f"llama.cpp reads {self.worker.info['n_vocab']} tokens from {gguf.name}, the engine's target "
+                f"{engine.target_runner.vocab_size}: they cannot be fed the same token ids"
+            )
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Output:
+        # greedy only (config.validate): temperature and seed change nothing here
+        answer = self.worker.generate(prompt_ids, max_new_tokens, self.stop)
+        return Output(answer.token_ids, answer.seconds, answer.counts)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+System = HFSystem | EngineSystem | LlamaCppSystem
+
+
 def build_systems(
-    specs: list[SystemSpec], engine: SpeculativeEngine, draft_models: dict[str, PreTrainedModel]
-) -> list[HFSystem | EngineSystem]:
-    """Runnable systems that share the loaded target (and draft models): nothing is loaded twice."""
+    specs: list[SystemSpec],
+    engine: SpeculativeEngine,
+    draft_models: dict[str, PreTrainedModel],
+    gguf: Path | None = None,
+    n_ctx: int = 0,
+) -> list[System]:
+    """Runnable systems that share the loaded target (and draft models): nothing is loaded twice,
+    but for llama.cpp's, which load gguf (of n_ctx tokens' context) in processes of their own."""
     lookup = PromptLookupDrafter()
     # draft runners chosen as the engine chooses its own (the fast path where one applies)
     model_drafters = {name: ModelDrafter(runner_for(model)) for name, model in draft_models.items()}
     systems = []
-    for spec in specs:
-        drafter = lookup if spec.drafter == "prompt-lookup" else model_drafters.get(spec.draft)
-        if spec.framework == HF:
-            systems.append(HFSystem(spec, engine, draft_models.get(spec.draft), lookup.max_ngram))
-        else:
-            # fixed k, so that k is what is measured
-            systems.append(EngineSystem(spec, engine.with_drafter(drafter, spec.k)))
+    try:
+        for spec in specs:
+            drafter = lookup if spec.drafter == "prompt-lookup" else model_drafters.get(spec.draft)
+            if spec.framework == HF:
+                systems.append(HFSystem(spec, engine, draft_models.get(spec.draft), lookup.max_ngram))
+            elif spec.framework == LLAMACPP:
+                systems.append(LlamaCppSystem(spec, engine, gguf, n_ctx))
+            else:
+                # fixed k, so that k is what is measured
+                systems.append(EngineSystem(spec, engine.with_drafter(drafter, spec.k)))
+    except BaseException:
+        close_systems(systems)
+        raise
     return systems
+
+
+def close_systems(systems: list[System]) -> None:
+    """Stop the worker processes of the systems that have one."""
+    for system in systems:
+        if isinstance(system, LlamaCppSystem):
+            system.close()
 
 
 def load_draft(name: str, engine: SpeculativeEngine, device: str, dtype: str) -> PreTrainedModel:

@@ -105,6 +105,7 @@ def runner_variant(runner) -> list:
         str(getattr(runner, "dtype", None)),
         getattr(device, "type", str(device)),
         getattr(runner, "per_query_attention", None),
+        getattr(runner, "attention_kernel", None),  # the tree attention kernel's source, or "sdpa"
         getattr(runner, "_compiled_layers", None) is not None,
         sorted(products.items()),
     ]

@@ -7,11 +7,23 @@ seconds. The policy picks the k with the most tokens per second; k = 0 is target
 decoding, left now and then for a probe of the most k so that a drafter can switch back on.
 Costs and acceptance are exponential moving averages of past steps only: k never depends
 on future tokens, so it never changes what is generated.
+
+Trees (`AdaptiveTree`). For a drafter of trees k is a node budget n, and what n buys is
+measured directly: the accepted depth A(n) of the steps that asked for n nodes (a tree's
+positions are not a chain's, so per-position rates do not add up to it). A step emits
+1 + A(n) tokens and costs draft(nodes) + verify(nodes + 1), nodes being what the drafter
+really proposed for n (it may propose fewer); n is chosen on a ladder of sizes (TREE_SIZES,
+capped by k_max) for the most tokens per second, 0 again being target-only with probes. A
+size not measured yet is guessed as good as the next larger one measured (a tree of fewer
+nodes that does as well is cheaper), so that it gets tried, and measured. One step's depth
+is a noisy integer, so a size's A(n) is a discounted mean with a bonus for sizes measured
+little or long ago (discounted UCB): a size left after unlucky steps is tried again.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 
 # The most k any engine drafts per step (num_speculative_tokens, -k, a request's own k). Far
@@ -21,6 +33,11 @@ MAX_SPECULATIVE_TOKENS = 64
 EMA_WEIGHT = 0.2  # weight of the newest measurement
 PRIOR_ACCEPTANCE = 0.5  # a_1 before anything was drafted: optimistic enough to try it
 PROBE_EVERY = (4, 64)  # target-only steps between probes: first, then doubling up to the last
+# the node budgets a tree policy chooses from (and k_max itself, the largest): a ladder, so
+# that each size is asked often enough to be measured
+TREE_SIZES = (0, 2, 4, 8, 12, 16, 24, 32)
+TREE_MEMORY = 0.99  # weight a tree size's measurement keeps per step: about the last 100 steps count
+TREE_BONUS = 0.5  # tokens of optimism for a size measured once (AdaptiveTree.bonus)
 
 
 def ema(old: float | None, new: float, weight: float = EMA_WEIGHT) -> float:
@@ -88,29 +105,26 @@ class StepCosts:
         return self._sorted[1]
 
 
-class AdaptiveK:
-    """Per-position acceptance and draft cost of one drafter; the best k against shared step costs."""
+class _Policy:
+    """What both policies share: the draft cost, the step costs, and probes out of k = 0."""
 
     def __init__(self, step_costs: StepCosts):
         self.step_costs = step_costs
-        self.acceptance: list[float] = []  # [positions reached so far] a_i
-        self.draft_seconds_per_token: float | None = None
+        self.draft_seconds_per_token: float | None = None  # a tree's: per node
         self._off_steps = 0
         self._probe_every = PROBE_EVERY[0]
 
-    def choose(self, k_max: int, batch_size: int = 1) -> int:
-        """The k for the next step; batch_size sequences draft it and share one verification
-        forward, whose cost step_costs knows by its total tokens."""
-        if k_max <= 0:
-            return 0
-        k_max = min(k_max, MAX_SPECULATIVE_TOKENS)  # the engine checks k; this keeps the policy's work bounded anyway
-        if self.draft_seconds_per_token is None or not self.step_costs.seconds:
-            return k_max  # nothing measured yet: try the most
+    def record_draft(self, num_drafted: int, seconds: float) -> None:
+        self.draft_seconds_per_token = ema(self.draft_seconds_per_token, seconds / max(num_drafted, 1))
 
-        def verify_seconds(n: int) -> float:  # a sequence's share of a forward verifying n tokens each
+    def _verify_seconds(self, batch_size: int) -> Callable[[float], float]:
+        def verify_seconds(n: float) -> float:  # a sequence's share of a forward verifying n tokens each
             return self.step_costs.estimate(batch_size * n) / batch_size
 
-        k = best_k(self._acceptance(k_max), self.draft_seconds_per_token, verify_seconds)
+        return verify_seconds
+
+    def _or_probe(self, k: int, k_max: int) -> int:
+        """k, or where k is 0 now and then a probe of k_max (a tree policy's: the size it hopes most of)."""
         if k > 0:
             self._off_steps, self._probe_every = 0, PROBE_EVERY[0]
             return k
@@ -124,6 +138,25 @@ class AdaptiveK:
         self._off_steps, self._probe_every = 0, min(2 * self._probe_every, PROBE_EVERY[1])
         return k_max
 
+
+class AdaptiveK(_Policy):
+    """Per-position acceptance and draft cost of one drafter; the best k against shared step costs."""
+
+    def __init__(self, step_costs: StepCosts):
+        super().__init__(step_costs)
+        self.acceptance: list[float] = []  # [positions reached so far] a_i
+
+    def choose(self, k_max: int, batch_size: int = 1) -> int:
+        """The k for the next step; batch_size sequences draft it and share one verification
+        forward, whose cost step_costs knows by its total tokens."""
+        if k_max <= 0:
+            return 0
+        k_max = min(k_max, MAX_SPECULATIVE_TOKENS)  # the engine checks k; this keeps the policy's work bounded anyway
+        if self.draft_seconds_per_token is None or not self.step_costs.seconds:
+            return k_max  # nothing measured yet: try the most
+        k = best_k(self._acceptance(k_max), self.draft_seconds_per_token, self._verify_seconds(batch_size))
+        return self._or_probe(k, k_max)
+
     def _acceptance(self, positions: int) -> list[float]:
         return (self.acceptance + [self._unreached()] * positions)[:positions]
 
@@ -132,12 +165,117 @@ class AdaptiveK:
         # now: once a run of drafts is accepted the next token usually is too (copying)
         return self.acceptance[-1] if self.acceptance else PRIOR_ACCEPTANCE
 
-    def record_draft(self, num_drafted: int, seconds: float) -> None:
-        self.draft_seconds_per_token = ema(self.draft_seconds_per_token, seconds / max(num_drafted, 1))
-
-    def record_verdict(self, num_drafted: int, num_accepted: int) -> None:
+    def record_verdict(self, num_drafted: int, num_accepted: int, asked: int | None = None) -> None:
+        """num_accepted of num_drafted drafts kept (asked: the k asked for, unused by chains)."""
         # position i was tried when every draft before it was accepted (so all before it were measured)
         for i in range(min(num_accepted + 1, num_drafted)):
             if i == len(self.acceptance):  # reached for the first time: start from its guess
                 self.acceptance.append(self._unreached())
             self.acceptance[i] = ema(self.acceptance[i], float(i < num_accepted))
+
+    def record_no_draft(self, asked: int) -> None:
+        """Asked for drafts, proposed none, in a forward that others' drafts made larger: as
+        if the first position were rejected."""
+        self.record_verdict(1, 0)
+
+
+def tree_sizes(k_max: int) -> list[int]:
+    """The node budgets a tree policy chooses from: 0 (target-only), the ladder below k_max, k_max."""
+    return [0] + [n for n in TREE_SIZES if 0 < n < k_max] + [k_max]
+
+
+def best_tree_size(
+    sizes: list[int],
+    accepted_depth: Callable[[int], float],
+    nodes: Callable[[int], float],
+    draft_seconds_per_node: float,
+    verify_seconds: Callable[[float], float],
+) -> int:
+    """The size in sizes (0 among them) with the most expected tokens per second: a step that
+    asks for n nodes emits 1 + accepted_depth(n) tokens and costs nodes(n) drafted and
+    nodes(n) + 1 verified; the smallest size on ties."""
+    best, best_rate = 0, 1.0 / verify_seconds(1)
+    for n in sizes:
+        if n <= 0:
+            continue
+        rate = (1.0 + accepted_depth(n)) / (nodes(n) * draft_seconds_per_node + verify_seconds(nodes(n) + 1))
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+class AdaptiveTree(_Policy):
+    """Accepted depth and draft cost of one drafter of trees, by the node budget asked for;
+    the best budget against shared step costs (module docstring).
+
+    Each size's accepted depth is a discounted mean (every step leaves a past measurement
+    TREE_MEMORY of its weight), and a size is chosen on its mean plus a bonus that grows as its
+    measurements fade (discounted UCB, Garivier and Moulines 2011): a size left after a few
+    unlucky steps, whose mean would otherwise stay low for good, comes back to be measured."""
+
+    def __init__(self, step_costs: StepCosts):
+        super().__init__(step_costs)
+        self._depth: dict[int, float] = {}  # nodes asked for -> discounted sum of accepted depths
+        self._nodes: dict[int, float] = {}  # nodes asked for -> discounted sum of nodes proposed
+        self._weight: dict[int, float] = {}  # nodes asked for -> discounted count of steps measured
+
+    @property
+    def accepted(self) -> dict[int, float]:
+        """Nodes asked for -> mean accepted depth, of the sizes measured."""
+        return {n: self._depth[n] / w for n, w in self._weight.items()}
+
+    def choose(self, k_max: int, batch_size: int = 1) -> int:
+        """The node budget for the next step; batch_size sequences draft it and share one
+        verification forward, whose cost step_costs knows by its total tokens: the larger the
+        batch, the dearer each node, and the smaller the tree."""
+        if k_max <= 0:
+            return 0
+        k_max = min(k_max, MAX_SPECULATIVE_TOKENS)
+        if self.draft_seconds_per_token is None or not self.step_costs.seconds or not self._weight:
+            return k_max  # nothing measured yet: try the most
+        sizes, verify_seconds = tree_sizes(k_max), self._verify_seconds(batch_size)
+        costs = (self.nodes_proposed, self.draft_seconds_per_token, verify_seconds)
+        likely = best_tree_size(sizes, self.accepted_depth, *costs)
+        hopeful = best_tree_size(sizes, lambda n: min(float(n), self.accepted_depth(n) + self.bonus(n)), *costs)
+        for size in self._weight:  # a step has passed: what was measured weighs less
+            self._depth[size] *= TREE_MEMORY
+            self._nodes[size] *= TREE_MEMORY
+            self._weight[size] *= TREE_MEMORY
+        # the bonus picks among sizes that pay; where none does on what was measured, decoding
+        # goes target-only and probes (the most hopeful size) ever more rarely, as AdaptiveK does
+        return hopeful if likely > 0 else self._or_probe(0, hopeful or k_max)
+
+    def accepted_depth(self, size: int) -> float:
+        """Measured for size, else the next larger measured size's (else the largest's below),
+        never more than size."""
+        accepted = self.accepted
+        if size in accepted:
+            return accepted[size]
+        larger = [n for n in accepted if n > size]
+        guess = accepted[min(larger)] if larger else accepted[max(accepted)] if accepted else 0.0
+        return min(guess, float(size))
+
+    def nodes_proposed(self, size: int) -> float:
+        """Nodes the drafter proposes when asked for size (it may give fewer): measured, else size."""
+        return self._nodes[size] / self._weight[size] if size in self._weight else float(size)
+
+    def bonus(self, size: int) -> float:
+        """Tokens of optimism for size: TREE_BONUS * sqrt(log(steps measured) / its steps), all
+        discounted; none for a size never measured (its guess is optimistic already)."""
+        weight = self._weight.get(size)
+        if not weight:
+            return 0.0
+        return TREE_BONUS * math.sqrt(max(1.0, math.log(sum(self._weight.values()))) / weight)
+
+    def record_verdict(self, num_drafted: int, num_accepted: int, asked: int | None = None) -> None:
+        """A step that asked for `asked` nodes (default: num_drafted) was given num_drafted and
+        accepted a path num_accepted deep."""
+        size = num_drafted if asked is None else asked
+        self._depth[size] = self._depth.get(size, 0.0) + num_accepted
+        self._nodes[size] = self._nodes.get(size, 0.0) + num_drafted
+        self._weight[size] = self._weight.get(size, 0.0) + 1.0
+
+    def record_no_draft(self, asked: int) -> None:
+        """Asked for drafts, proposed none, in a forward that others' drafts made larger: as
+        if asked-many nodes were all rejected."""
+        self.record_verdict(asked, 0, asked)

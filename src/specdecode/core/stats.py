@@ -1,4 +1,11 @@
-"""What one generation did: how much was drafted, accepted, and how fast it ran."""
+"""What one generation did: how much was drafted, accepted, and how fast it ran.
+
+A step verifies a chain or a tree (drafters/base.py). drafted_tokens counts a tree's nodes and
+accepted_tokens its accepted depth (the nodes of its accepted path): both still count draft
+tokens. Per-position counters count a tree's nodes by depth: position i (0 = first) is depth
+i + 1; drafted counts the nodes at that depth (so they still sum to drafted_tokens), accepted
+counts the step if its accepted path reaches that depth. The tree_* fields count tree steps alone.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,10 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [k] steps that accepted position i
     drafted_histogram: dict[int, int] = field(default_factory=dict)  # draft length -> steps (the k used)
     drafted_by_source: dict[str, list[int]] = field(default_factory=dict)  # auto's candidate -> [drafted, accepted]
+    tree_steps: int = 0  # steps that verified a tree (not a chain)
+    tree_nodes: int = 0  # nodes those trees held
+    tree_accepted_depth: int = 0  # accepted depths of those steps, summed
+    tree_histogram: dict[int, int] = field(default_factory=dict)  # tree size (nodes) -> steps
     wall_time_s: float = 0.0
     cached: bool = False  # answered from the response cache, without a forward
     target_precision: str | None = None  # the target's weights: "float32", "nf4 (bitsandbytes, ...)" (engine.py)
@@ -30,7 +41,11 @@ class GenerationStats:
         self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
 
-    def record_step(self, num_drafted: int, num_accepted: int, source: str | None = None) -> None:
+    def record_step(
+        self, num_drafted: int, num_accepted: int, source: str | None = None, depths: list[int] | None = None
+    ) -> None:
+        """One verification step: num_drafted tokens (a tree's nodes), num_accepted of them (its
+        accepted depth); depths: each node's depth (1 = a child of the root), None for a chain."""
         self.target_forwards += 1
         self.drafted_histogram[num_drafted] = self.drafted_histogram.get(num_drafted, 0) + 1
         if source is not None:
@@ -39,8 +54,14 @@ class GenerationStats:
             counts[1] += num_accepted
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
-        for position in range(num_drafted):
+        if depths is not None:
+            self.tree_steps += 1
+            self.tree_nodes += num_drafted
+            self.tree_accepted_depth += num_accepted
+            self.tree_histogram[num_drafted] = self.tree_histogram.get(num_drafted, 0) + 1
+        for position in range(num_drafted) if depths is None else [d - 1 for d in depths]:
             self.drafted_per_position[position] += 1
+        for position in range(num_drafted if depths is None else max(depths, default=0)):
             self.accepted_per_position[position] += position < num_accepted
 
     def record_replay(self, num_tokens: int, forward: bool = False) -> None:
@@ -63,6 +84,16 @@ class GenerationStats:
         return self.drafted_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
+    def mean_tree_size(self) -> float:
+        """Nodes per tree step."""
+        return self.tree_nodes / self.tree_steps if self.tree_steps else 0.0
+
+    @property
+    def mean_accepted_depth(self) -> float:
+        """Accepted depth per tree step (its tokens per forward are one more)."""
+        return self.tree_accepted_depth / self.tree_steps if self.tree_steps else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
@@ -71,6 +102,8 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "mean_k": self.mean_k,
+            "mean_tree_size": self.mean_tree_size,
+            "mean_accepted_depth": self.mean_accepted_depth,
             "tokens_per_second": self.tokens_per_second,
         }
 
@@ -81,6 +114,12 @@ class GenerationStats:
             f"histogram {dict(sorted(self.drafted_histogram.items()))}) | "
             f"acceptance {self.acceptance_rate:.0%} ({self.accepted_tokens}/{self.drafted_tokens}) | "
             f"{self.mean_accepted_length:.2f} tokens per target forward ({self.target_forwards} forwards)"
+            + (
+                f" | {self.tree_steps} tree steps (mean {self.mean_tree_size:.1f} nodes, accepted depth "
+                f"{self.mean_accepted_depth:.2f}, sizes {dict(sorted(self.tree_histogram.items()))})"
+                if self.tree_steps
+                else ""
+            )
             + (f" | target {self.target_precision}" if self.target_precision else "")
             + (f" | {self.replayed_tokens} tokens replayed" if self.replayed_tokens else "")
             + (f" | note: {self.note}" if self.note else "")

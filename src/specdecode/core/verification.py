@@ -1,8 +1,13 @@
-"""The accept/reject rule of speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+"""The accept/reject rule of speculative sampling (Leviathan et al. 2023; Chen et al. 2023),
+for chains and for trees of draft tokens (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024).
 
 Vocabulary used throughout the package:
-- draft tokens: the k tokens x_1..x_k a drafter proposed, drawn from its distributions q_i.
-- accepted tokens: the longest prefix of the draft that survives the rule below.
+- draft tokens: the tokens x_1..x_k a drafter proposed, drawn from its distributions q_i; a
+  chain, or the nodes of a tree (drafters/base.py: each node's parent, the root being the
+  sequence's last token).
+- accepted tokens: the longest prefix of a chain that survives the rule below; of a tree, the
+  accepted path: the nodes, root to leaf, that the tree rule below follows.
+- accepted depth: the length of the accepted path (of a chain: the accepted tokens).
 - recovered token: at the first rejection, a token drawn from norm(max(0, p_i - q_i)),
   the part of the target's distribution the draft under-covers.
 - bonus token: when all k drafts are accepted, a token drawn from the target's
@@ -13,6 +18,21 @@ is distributed exactly as if the target had sampled it token by token. A drafter
 without a distribution (n-gram lookup) counts as one-hot q. With temperature 0 both p
 and q are one-hot (see sampling.py), and the rule reduces to "accept while the draft
 equals the target's argmax, then emit the target's argmax".
+
+Trees (`verify_tree`). The target's logits come for every node: row 0 after the root, row
+1 + i after node i. From the root, the rule draws y from the target's distribution p at the
+current node (greedy: y is its argmax), moves to the child whose token is y, and goes on
+from there; where no child has y, y is the step's next token. Every emitted token is then a
+draw from p after exactly the tokens before it, so the output follows the target's law for
+any temperature, top-k and top-p, and at temperature 0 it is the target's own greedy text.
+This is exact for drafts that do not depend on the draws (one-hot drafts: a function of the
+context), whatever their shape; if two children share a token the first one wins, and the
+later one is never reached. Trees are one-hot only (`Draft` refuses probs with parents):
+drafts drawn from a q, with several children, would need recursive rejection with q
+renormalised over the children not yet tried (SpecInfer, Sequoia) to use q; stochastic
+drafts are chains, verified by the chain rule above. A chain is verified by the chain rule
+even when it could go through the tree rule (the same law for one-hot drafts, but other
+random numbers): seeded chain samples stay what they were.
 """
 
 from __future__ import annotations
@@ -26,8 +46,9 @@ from specdecode.core.sampling import SamplingParams, check_finite, logits_to_pro
 
 @dataclass(frozen=True)
 class Verdict:
-    num_accepted: int
+    num_accepted: int  # the accepted depth
     next_token: int  # the recovered token, or the bonus token when all drafts were accepted
+    path: tuple[int, ...]  # the accepted nodes' indices, root to leaf; a chain's: 0 .. num_accepted - 1
 
 
 def verify(
@@ -46,9 +67,10 @@ def verify(
     rejected = (~(u * q_of_draft < p_of_draft)).nonzero()
     if rejected.numel() == 0:
         # all accepted: the bonus token comes from the target's distribution after the last draft
-        return Verdict(k, int(sample(target_probs[k], generator)))
+        return Verdict(k, int(sample(target_probs[k], generator)), tuple(range(k)))
     first = int(rejected[0])
-    return Verdict(first, int(sample(_residual(target_probs[first], draft_probs, draft_tokens, first), generator)))
+    recovered = int(sample(_residual(target_probs[first], draft_probs, draft_tokens, first), generator))
+    return Verdict(first, recovered, tuple(range(first)))
 
 
 def _residual(
@@ -97,4 +119,43 @@ def verify_greedy(
     k = draft_tokens.shape[0]
     mismatches = (draft_tokens != argmax[:k]).nonzero()
     accepted = int(mismatches[0]) if mismatches.numel() else k
-    return Verdict(accepted, int(argmax[accepted]))
+    return Verdict(accepted, int(argmax[accepted]), tuple(range(accepted)))
+
+
+def verify_tree(
+    draft_tokens: torch.Tensor,  # [n] int64, the tree's nodes in topological order
+    parents: torch.Tensor | list[int],  # [n] parents[i] < i, or -1 for the root
+    target_logits: torch.Tensor,  # [n + 1, vocab] raw logits: row 0 after the root, row 1 + i after node i
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """The tree rule (module docstring) for one-hot drafts: from the root, draw y from the
+    target at the current node (its argmax when greedy), follow the first child whose token is
+    y, and emit y where none is. Only the rows on the accepted path are processed and drawn
+    from. Raises NonFiniteLogitsError for NaN or +inf logits in any row, as the chain rule does."""
+    check_finite(target_logits)
+    children = _children(draft_tokens.tolist(), parents.tolist() if isinstance(parents, torch.Tensor) else parents)
+    path: list[int] = []
+    node = -1  # the root
+    while True:
+        row = node + 1
+        if params.greedy:
+            y = int(target_logits[row].argmax())  # the first index on ties, as logits_to_probs
+        else:
+            y = int(sample(logits_to_probs(target_logits[row], params), generator))
+        child = children[row].get(y)
+        if child is None:
+            return Verdict(len(path), y, tuple(path))
+        path.append(child)
+        node = child
+
+
+def _children(tokens: list[int], parents: list[int]) -> list[dict[int, int]]:
+    """For the root (index 0) and each node i (index 1 + i): its children, token -> the first
+    child with that token (a later child with the same token is never reached)."""
+    if len(parents) != len(tokens) or any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise ValueError(f"a tree's parents must come before their children (-1 for the root), got {parents}")
+    children: list[dict[int, int]] = [{} for _ in range(len(tokens) + 1)]
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        children[parent + 1].setdefault(token, i)
+    return children

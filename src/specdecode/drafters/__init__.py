@@ -5,6 +5,7 @@ from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.recycling import RecyclingDrafter
 from specdecode.drafters.self_quantized import self_quantized_drafter
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "Drafter",
     "ModelDrafter",
     "PromptLookupDrafter",
+    "RecyclingDrafter",
     "candidates_of",
     "self_quantized_drafter",
 ]

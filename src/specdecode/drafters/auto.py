@@ -17,6 +17,7 @@ class AutoDrafter:
     def __init__(self, candidates: list[Drafter]):
         self.candidates = tuple(candidates)
         self.per_sequence = all(c.per_sequence for c in self.candidates)
+        self.drafts_trees = any(getattr(c, "drafts_trees", False) for c in self.candidates)
 
     def fork(self) -> AutoDrafter:
         return AutoDrafter([c.fork() for c in self.candidates])

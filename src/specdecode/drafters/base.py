@@ -1,8 +1,18 @@
-"""The drafter interface: propose up to k tokens, then learn from what the target accepted."""
+"""The drafter interface: propose a draft (a chain or a tree of tokens), then learn from the
+target's verdict and logits.
+
+Trees. A draft is a tree of candidate tokens whose root is the sequence's last token (already
+chosen, not part of the draft). Node i has a token and a parent: `parents[i] < i` is the index
+of another node, or -1 for the root; a node's depth is 1 + its parent's (the root's is 0), and
+it stands at position len(tokens) - 1 + depth. A chain is the tree with parents [-1, 0, 1, ...],
+which `parents=None` means. Nodes come in topological order (every parent before its
+children), and the children of a node in the order the drafter trusts them, so the first path
+(`first_path`) is the drafter's best chain.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -12,9 +22,15 @@ from specdecode.core.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class Draft:
-    tokens: torch.Tensor  # [k] int64, k may be smaller than asked for, or 0
-    probs: torch.Tensor | None  # [k, vocab] the q each token was drawn from; None = one-hot
+    tokens: torch.Tensor  # [n] int64, n may be smaller than asked for, or 0
+    probs: torch.Tensor | None  # [n, vocab] the q each token was drawn from; None = one-hot
     source: str | None = None  # which drafter of a composite (auto) proposed it
+    parents: torch.Tensor | None = None  # [n] int64, parents[i] < i or -1 (the root); None: a chain
+
+    def __post_init__(self) -> None:
+        if self.parents is not None and self.probs is not None:
+            # several children drawn from q would need another accept rule (core/verification.py)
+            raise ValueError("a tree draft is one-hot (probs None); stochastic drafts are chains")
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -23,15 +39,43 @@ class Draft:
     def empty() -> Draft:
         return Draft(torch.zeros(0, dtype=torch.long), None)
 
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    def parent_list(self) -> list[int]:
+        """parents[i] for every node (a chain's too)."""
+        return list(range(-1, len(self) - 1)) if self.parents is None else self.parents.tolist()
+
+    def depths(self) -> list[int]:
+        """Depth of every node: 1 for the root's children."""
+        depths: list[int] = []
+        for parent in self.parent_list():
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def first_path(self) -> Draft:
+        """The chain of first children from the root: what a target that cannot verify trees runs."""
+        if self.parents is None:
+            return self
+        path, parent = [], -1
+        for i, p in enumerate(self.parents.tolist()):
+            if p == parent:
+                path.append(i)
+                parent = i
+        return replace(self, tokens=self.tokens[path], parents=None)
+
 
 class Drafter(Protocol):
-    """One-hot drafters (probs None) must draft deterministically from token_ids alone:
-    then q is the point mass on their token and the accept/reject rule stays exact.
+    """One-hot drafters (probs None) must draft deterministically from token_ids alone (and,
+    if they declare depends_on_history, from what they learnt): then q is the point mass on
+    their token and the accept/reject rule stays exact.
 
-    k is chosen by the decoder (decoder.py), never by a drafter. Capabilities are declared:
-    `per_sequence` drafters give each sequence of a batch a state of its own with `fork()`;
-    the others hold one shared state (a draft model's cache), so the decoder runs them on
-    batches of one sequence.
+    k is chosen by the decoder (decoder.py), never by a drafter: the most tokens of a chain,
+    or the most nodes of a tree. Capabilities are declared: `per_sequence` drafters give each
+    sequence of a batch a state of its own with `fork()`; the others hold one shared state (a
+    draft model's cache), so the decoder runs them on batches of one sequence. `drafts_trees`
+    drafters may propose trees (a target that cannot verify them runs their first path).
     """
 
     name: str
@@ -39,6 +83,7 @@ class Drafter(Protocol):
     # declared: drafts depend on earlier requests (a history, a shared store), not on the
     # sequence alone; seeded sampling skips such drafters, so that its samples repeat
     depends_on_history: bool
+    drafts_trees: bool
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new sequence starts with these prompt tokens."""
@@ -50,10 +95,16 @@ class Drafter(Protocol):
         params: SamplingParams,
         generator: torch.Generator | None,
     ) -> Draft:
-        """Up to k tokens to follow token_ids, drawn with the same params as the target."""
+        """Up to k tokens (nodes) to follow token_ids, drawn with the same params as the target."""
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        """How many of the last proposal's tokens the target accepted."""
+        """How many of the last proposal's tokens the target accepted (a tree: its accepted depth)."""
+
+    def learn(self, token_ids: list[int], draft: Draft, logits: torch.Tensor) -> None:
+        """What the target predicted at this step: logits [len(draft) + 1, vocab], row 0 after
+        token_ids[-1] (the root), row 1 + i after draft node i, whether accepted or not. Called
+        for every verification of the sequence (a prefill's: one row, empty draft), whichever
+        drafter proposed."""
 
     def finish(self, token_ids: list[int]) -> None:
         """The sequence ended (or left) with these tokens, prompt included."""

@@ -22,6 +22,7 @@ class CrossTokenizerDrafter:
     name = "cross-tokenizer"
     per_sequence = False  # one draft model cache, shared: batches of one sequence
     depends_on_history = False
+    drafts_trees = False
 
     def __init__(
         self,
@@ -54,6 +55,9 @@ class CrossTokenizerDrafter:
         pass
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def learn(self, token_ids: list[int], draft: Draft, logits: torch.Tensor) -> None:
         pass
 
     def _new_text(self, context: list[int], drafted: list[int]) -> str:

@@ -15,13 +15,14 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.drafters.recycling import RecyclingDrafter
 from specdecode.drafters.self_quantized import QUANTIZATIONS, self_quantized_drafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import InvalidArgumentError, VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary
 from specdecode.runners import ModelRunner, runner_for
 
-DRAFTERS = ("auto", "model", "prompt-lookup", "suffix", "self-quantized", "cross-tokenizer", "none")
+DRAFTERS = ("auto", "model", "prompt-lookup", "recycling", "suffix", "self-quantized", "cross-tokenizer", "none")
 
 Loader = Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
 
@@ -38,10 +39,19 @@ class DrafterOptions:
     # self-quantized only: "bfloat16", "int8" (weight-only), "nf4" or "fp4" (bitsandbytes); None: bfloat16
     draft_quantization: str | None = None
     min_confidence: float = 0.0  # model drafters stop after a token they give less probability
+    recycling_width: int = 8  # recycling: the target's candidates kept per token
+
+
+def verifies_trees(target: ModelRunner) -> bool:
+    """Whether target verifies a tree of drafts in one forward (else it runs the first path)."""
+    return bool(getattr(target, "verifies_trees", False))
 
 
 def check_drafter_options(name: str, options: DrafterOptions) -> None:
     """An option that does not apply to the chosen drafter is an error, not silently ignored."""
+    width = options.recycling_width
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise InvalidArgumentError(f"recycling_width must be an integer >= 1, got {width!r}", "recycling_width")
     if options.draft_quantization is None:
         return
     if name != "self-quantized":
@@ -82,9 +92,12 @@ def make_drafter(
     check_drafter_options(name, options)
     if name == "none":
         return None
-    lookup = PromptLookupDrafter(options.min_ngram, options.max_ngram, options.max_continuation, options.lookup_history)
+    trees = verifies_trees(target)
+    lookup = _lookup(options, tree=False)
     if name == "prompt-lookup":
-        return lookup
+        return _lookup(options, tree=trees)
+    if name == "recycling":
+        return _recycling(target, options, trees)
     if name == "suffix":
         if store is None:
             raise InvalidArgumentError("drafter 'suffix' needs the draft store: leave draft_store on", "drafter")
@@ -95,11 +108,30 @@ def make_drafter(
     model_drafter = (
         _draft_model_drafter(name, draft, target, tokenizer, load, runner, options) if draft is not None else None
     )
+    if name == "auto" and trees:
+        # recycling (prompt lookup inside) always has a tree to propose; the lookup tree and the
+        # draft store after it draft for seeded samples, which skip recycling (its table depends
+        # on history), and the store still learns every finished request
+        store_drafter = SuffixDrafter(store) if store is not None else None
+        candidates = [_recycling(target, options, trees), _lookup(options, tree=True), store_drafter, model_drafter]
+        return AutoDrafter([c for c in candidates if c is not None])
     if name == "auto":  # cheapest first: the prompt, then earlier requests, then a draft model
         candidates = [lookup, SuffixDrafter(store) if store is not None else None, model_drafter]
         candidates = [c for c in candidates if c is not None]
         return AutoDrafter(candidates) if len(candidates) > 1 else lookup
     return model_drafter
+
+
+def _lookup(options: DrafterOptions, tree: bool) -> PromptLookupDrafter:
+    return PromptLookupDrafter(
+        options.min_ngram, options.max_ngram, options.max_continuation, options.lookup_history, tree=tree
+    )
+
+
+def _recycling(target: ModelRunner, options: DrafterOptions, tree: bool) -> RecyclingDrafter:
+    """A table as wide as asked, after a tree prompt lookup (a chain one, and the table's chain,
+    for a target that does not verify trees)."""
+    return RecyclingDrafter(target.vocab_size, options.recycling_width, _lookup(options, tree), tree=tree)
 
 
 def _draft_model_drafter(
@@ -122,7 +154,7 @@ def _draft_model_drafter(
         check_same_vocabulary(tokenizer, draft_tokenizer, target.vocab_size, draft_runner.vocab_size)
     except VocabularyMismatchError as error:
         raise VocabularyMismatchError(f"{error}, or draft through text with drafter 'cross-tokenizer'") from None
-    return ModelDrafter(draft_runner, options.min_confidence)
+    return ModelDrafter(draft_runner, options.min_confidence, tree=verifies_trees(target))
 
 
 # a draft runner's fingerprint, computed once (it reads every weight)
@@ -144,7 +176,8 @@ def drafter_identity(drafter: Drafter) -> list | None:
         return None
     kind = type(drafter)  # exactly these classes: a subclass may propose otherwise
     if kind is PromptLookupDrafter:
-        return [drafter.name, drafter.min_ngram, drafter.max_ngram, drafter.max_continuation]
+        tree = ["tree"] if drafter.drafts_trees else []  # a tree proposes other tokens than a chain
+        return [drafter.name, drafter.min_ngram, drafter.max_ngram, drafter.max_continuation, *tree]
     if kind is ModelDrafter:
         fingerprint = _runner_fingerprint(drafter.runner)
         return None if fingerprint is None else [drafter.name, drafter.min_confidence, fingerprint]

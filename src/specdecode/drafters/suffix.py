@@ -19,10 +19,11 @@ class SuffixDrafter:
     name = "suffix"
     per_sequence = True  # forks share the store
     depends_on_history = True
+    drafts_trees = False  # its store walks one continuation
 
     def __init__(self, store: DraftStore, learn: bool = True):
         """learn=False: draft from the store without adding to it (a benchmark's fixed history)."""
-        self.store, self.learn = store, learn
+        self.store, self.adds_to_store = store, learn
 
     def fork(self) -> SuffixDrafter:
         return self  # no per-sequence state
@@ -37,6 +38,9 @@ class SuffixDrafter:
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         pass
 
+    def learn(self, token_ids: list[int], draft: Draft, logits: torch.Tensor) -> None:
+        pass
+
     def finish(self, token_ids: list[int]) -> None:
-        if self.learn:
+        if self.adds_to_store:
             self.store.add(list(token_ids))

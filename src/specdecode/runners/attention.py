@@ -1,10 +1,13 @@
-"""Attention over a sequence's cache for the fast paths, one query at a time when asked.
+"""SDPA over a sequence's cache for the fast paths: batched with a mask, or one query at a time.
 
 A verification forward must give each token the logits a one-token forward would, or
-speculation is not lossless. The batched attention kernel rounds a query differently when
-other queries share the call (in half precision, enough to flip greedy choices), so the
-fast paths pass no mask to mean "each query alone": query j then runs the very call a
-one-token forward makes for it (see FastLlamaRunner).
+speculation is not lossless. SDPA's batched kernel rounds a query differently when other
+queries share the call (in half precision, enough to flip greedy choices). FastLlamaRunner's
+decoding and verification run the tree attention kernel instead (tree_attention.py), whose
+result for a query depends only on the keys it sees; SDPA runs its prefills (a causal mask),
+and, where that kernel is not in use (no C compiler, compile(), FastGPT2Runner), passes no
+mask to mean "each query alone": query j then runs the very call a one-token forward makes
+for it.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ class ModelRunner(Protocol):
     # leave no trace; False (a recurrent state, transformers' Mamba layers): the target decodes
     # target-only, and a crop empties the cache (cache_length says so)
     rolls_back: bool
+    # declared: forward(..., parents) runs a tree of new tokens in one pass, each token's logits
+    # bitwise those of decoding its path alone, and keep() moves a path to consecutive
+    # positions; False: pass parents=None (a chain), and keep() only crops
+    verifies_trees: bool
 
     @property
     def cache_length(self) -> int: ...
@@ -35,11 +39,19 @@ class ModelRunner(Protocol):
     def reset(self) -> None:
         """Empty the cache, for a new sequence."""
 
-    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        """Run token_ids [n] after the cached ones; return the last num_logits logits [num_logits, vocab]."""
+    def forward(self, token_ids: torch.Tensor, num_logits: int, parents: torch.Tensor | None = None) -> torch.Tensor:
+        """Run token_ids [n] after the cached ones; return the last num_logits logits [num_logits, vocab].
+        parents [n] int64 (only where verifies_trees): token i's parent among the new tokens, or
+        -1; token i then stands at position cache_length + its depth, and every row's logits
+        are asked for."""
 
     def crop(self, length: int) -> None:
         """Keep only the first `length` cached positions."""
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Of the last forward's new tokens, written after `start` cached positions, keep those
+        at `offsets` (increasing) at positions start, start + 1, ...: a crop when offsets is
+        range(m); otherwise (verifies_trees) a root-to-node path of the last tree."""
 
     def release_model_weights(self) -> None:
         """Free the transformers model's copies of the weights this runner keeps in a layout of

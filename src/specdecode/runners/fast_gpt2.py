@@ -70,7 +70,9 @@ class FastGPT2Runner(StaticCacheRunner):
             yield from (m for m, p in pairs if p.is_copy)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, num_logits: int, parents: torch.Tensor | None = None) -> torch.Tensor:
+        if parents is not None:
+            raise ValueError("FastGPT2Runner does not verify trees (verifies_trees is False): pass parents=None")
         start, n = self.cache.length, token_ids.shape[0]
         self.cache.reserve(n)
         positions = torch.arange(start, start + n, device=self.device)

@@ -6,8 +6,10 @@ machinery, and shaped for speculative decoding:
 - fused projections (q|k|v, gate|up): fewer, larger matrix products, each weight kept once,
   in the layout oneDNN wants (projection.py), or as weight-only int8;
 - logits only for the positions the caller asks for;
-- on the CPU, verification attends one query at a time, so that a token's logits are
-  bitwise the same whether it is verified among others or decoded alone (see FastLlamaRunner).
+- on the CPU, decoding and verification (chains and trees) attend through one kernel
+  (tree_attention.py) whose result for a query depends only on the keys it sees, so that a
+  token's logits are bitwise the same whether it is verified among others, in a tree, or
+  decoded alone (see FastLlamaRunner).
 
 It implements `runners.base.ModelRunner`; `supports(model)` says when it applies. Outputs
 match transformers' to float rounding (tests/test_fast_runners.py states the tolerance).
@@ -16,12 +18,15 @@ match transformers' to float rounding (tests/test_fast_runners.py states the tol
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from specdecode.runners import tree_attention
 from specdecode.runners.attention import attend, per_query_by_default
 from specdecode.runners.projection import Projection, projection
 from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache, append
@@ -60,6 +65,28 @@ class _Layer:
     down: Projection  # intermediate -> hidden
 
 
+@dataclass(frozen=True)
+class _Keys:
+    """The keys each new token of a sequence sees, for the tree attention kernel."""
+
+    contiguous: torch.Tensor  # [n] int32: cache positions 0 .. contiguous[i] - 1
+    extra: torch.Tensor  # [n, E] int32: then these cache positions, in order, until a -1
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """The kernel's call for one sequence in one forward: a function of the data pointers of its
+    queries, the layer's keys and values, and its output (tree_attention.TreeAttention.bind)."""
+
+    attend: Callable[[int, int, int, int], None]
+    keys: _Keys  # what the call reads, kept alive with it
+
+
+# how one sequence's new tokens attend: the kernel (_Bound), SDPA with a causal mask over all of
+# them (a prefill), or SDPA one query at a time (None: without the kernel)
+_Plan = Union[_Bound, torch.Tensor, None]
+
+
 class FastLlamaRunner(StaticCacheRunner):
     """On the model's device and dtype: one sequence in `self.cache` (forward), or several, each
     with a cache of its own (forward_batch, new_cache). quantization="int8" stores the layers'
@@ -71,13 +98,22 @@ class FastLlamaRunner(StaticCacheRunner):
     from target-only decoding on most benchmark prompts while the batched attention kernel
     rounded 1 and 5 queries differently. On the CPU every product runs on oneDNN
     (projection.Projection, in chunks of 32 rows), which computes each row the same whatever
-    rows share it, and with `per_query_attention` (on there, in every dtype) a verification
-    forward (one that wants every new token's logits) attends one query at a time, exactly
-    as a one-token forward does. A token's logits then depend neither on the tokens
-    verified with it nor on the other sequences of a batch, bit for bit
-    (tests/test_fast_runners.py checks both, with negative controls). Prefills (one logit
-    wanted) keep the batched kernel: one query at a time is ~10x slower for a 500-token
-    prompt, and the engine prefills a prompt alone in every mode anyway.
+    rows share it, and attention of decoding and verification forwards (one new token, or
+    every new token's logits wanted) runs the tree attention kernel (tree_attention.py): one
+    call per layer for all of a sequence's queries, each query's result a function of the
+    keys it sees alone. A token's logits then depend neither on the tokens verified with it
+    nor on the other sequences of a batch, bit for bit (tests/test_fast_runners.py and
+    tests/test_tree_attention.py check both, with negative controls).
+
+    Trees (`parents`): new token i is written at cache slot length + i but rotated at its
+    logical position length + depth_i, and sees the cached prefix, then its ancestors among the
+    new tokens and itself; its logits are those of decoding its path alone. `keep(start,
+    offsets)` then moves the accepted path's keys and values to consecutive positions.
+
+    Prefills (fewer logits wanted than new tokens) keep SDPA's batched kernel: the engine
+    prefills a prompt alone in every mode. Without the kernel (no gcc, compile(), another
+    device) verification attends one query at a time through SDPA, as one-token decoding does
+    there, and trees are not verified (`verifies_trees` False).
     """
 
     stacks_sequences = True
@@ -88,6 +124,15 @@ class FastLlamaRunner(StaticCacheRunner):
         # compiled, a sequence alone runs inductor's kernels and a batch the eager ones, which
         # may round differently (float32 RMS norms did, in the last bit)
         return super().batch_invariant and self._compiled_layers is None
+
+    @property
+    def verifies_trees(self) -> bool:
+        return self._kernel is not None and self.per_query_attention
+
+    @property
+    def attention_kernel(self) -> str:
+        """Which attention decoding and verification run (the response cache fingerprints it)."""
+        return tree_attention.kernel_identity() if self.verifies_trees else "sdpa"
 
     def __init__(self, model: PreTrainedModel, quantization: str | None = None):
         if not supports(model):
@@ -108,6 +153,15 @@ class FastLlamaRunner(StaticCacheRunner):
         self.layers = [_fuse(layer, quantization) for layer in model.model.layers]
         self._rotary = model.model.rotary_emb
         self.per_query_attention = per_query_by_default(self.dtype, self.device)
+        # the kernel takes any head size, padding to 16 lanes; the runner keeps it for multiples
+        # of 16 (every Llama-family size in use): at head_dim 8 the bfloat16 logits of the tests'
+        # tiny models left the tolerance of transformers' (which rounds attention weights to bfloat16)
+        exact_here = (
+            self.per_query_attention
+            and self.head_dim % 16 == 0
+            and tree_attention.supports(self.dtype, self.device, self.head_dim)
+        )
+        self._kernel = tree_attention.load() if exact_here else None
         self.cache = self.new_cache()
         self._cos = self._sin = torch.empty(0, self.head_dim)
         self._compiled_layers = None  # compile() sets it
@@ -117,8 +171,15 @@ class FastLlamaRunner(StaticCacheRunner):
             len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, capacity
         )
 
-    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        return self.forward_batch([self.cache], [token_ids], [num_logits])[0]
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [n]
+        num_logits: int,
+        parents: torch.Tensor | None = None,  # [n] int64, parents within the new tokens (-1: none); None: a chain
+    ) -> torch.Tensor:  # [num_logits, vocab]
+        if parents is None:  # a chain: the call as it was before trees (spies and subclasses may rely on it)
+            return self.forward_batch([self.cache], [token_ids], [num_logits])[0]
+        return self.forward_batch([self.cache], [token_ids], [num_logits], parents=[parents])[0]
 
     @torch.inference_mode()
     def forward_batch(
@@ -126,32 +187,91 @@ class FastLlamaRunner(StaticCacheRunner):
         caches: list[StaticKVCache],  # one per sequence, each holding that sequence's prefix
         token_ids: list[torch.Tensor],  # [n_i] new tokens of sequence i, run after its cache
         num_logits: list[int],  # logits wanted for the last num_logits[i] new tokens of sequence i
+        parents: list[torch.Tensor | None] | None = None,  # per sequence: [n_i] int64 (a tree) or None (a chain)
     ) -> list[torch.Tensor]:  # [num_logits[i], vocab] per sequence
         """Several sequences in one pass: their new tokens are stacked into one [sum n_i, hidden]
-        matrix for every projection (no padding); only attention runs per sequence."""
+        matrix for every projection (no padding); only attention runs per sequence. A sequence
+        with parents runs a tree (every row's logits wanted): token i at logical position
+        length + depth_i, seeing the cache, its ancestors and itself."""
         sizes = [t.shape[0] for t in token_ids]
+        parents = [None] * len(caches) if parents is None else parents
+        trees = [
+            None if p is None else self._tree(c.length, p, n, m)
+            for c, p, n, m in zip(caches, parents, sizes, num_logits)
+        ]
         for cache, n in zip(caches, sizes):
             cache.reserve(n)
         if self._cos.shape[0] < max(cache.capacity for cache in caches):
             self._rope_tables(max(cache.capacity for cache in caches))
         x = F.embedding(torch.cat(token_ids).to(self.device), self.embed)  # [sum n_i, hidden]
-        cos = torch.cat([self._cos[c.length : c.length + n] for c, n in zip(caches, sizes)])  # [sum n_i, head_dim]
-        sin = torch.cat([self._sin[c.length : c.length + n] for c, n in zip(caches, sizes)])
-        one_by_one = [self.per_query_attention and m == n for n, m in zip(sizes, num_logits)]
-        masks = [None if alone else cache.causal_mask(n) for cache, n, alone in zip(caches, sizes, one_by_one)]
+        cos = torch.cat([self._rows(self._cos, c.length, n, tree) for c, n, tree in zip(caches, sizes, trees)])
+        sin = torch.cat([self._rows(self._sin, c.length, n, tree) for c, n, tree in zip(caches, sizes, trees)])
+        total = sum(sizes)
+        plans = [
+            self._bind(tree[1] if tree is not None else self._plan(cache, n, m), cache, total)
+            for cache, n, m, tree in zip(caches, sizes, num_logits, trees)
+        ]
         kv = [(cache.keys, cache.values, cache.length) for cache in caches]
-        compiled = self._compiled_layers is not None and len(caches) == 1 and masks[0] is None
-        x = (self._compiled_layers if compiled else self._layers)(x, cos, sin, kv, sizes, masks)
-        for cache, n in zip(caches, sizes):
-            cache.advance(n)
+        compiled = self._compiled_layers is not None and len(caches) == 1 and plans[0] is None
+        x = (self._compiled_layers if compiled else self._layers)(x, cos, sin, kv, sizes, plans)
+        for cache, n, p in zip(caches, sizes, parents):
+            cache.advance(n, None if p is None else p.tolist())
         ends = itertools.accumulate(sizes)
         last = torch.cat([x[end - m : end] for end, m in zip(ends, num_logits)])  # [sum num_logits, hidden]
         logits = self.lm_head(_rms_norm(last, self.final_norm, self.eps))
         return list(logits.float().cpu().split(num_logits))
 
+    def _bind(self, plan: _Keys | torch.Tensor | None, cache: StaticKVCache, total: int) -> _Plan:
+        """A kernel plan bound to this forward: outputs [total, heads, d] (the queries' strides are
+        given with each call)."""
+        if not isinstance(plan, _Keys):
+            return plan
+        d, heads = self.head_dim, self.num_heads
+        attend = self._kernel.bind(
+            self.dtype, heads, self.num_kv_heads, d, (total * d, d), cache.capacity, (d, heads * d),
+            plan.contiguous, plan.extra, d**-0.5,
+        )  # fmt: skip
+        return _Bound(attend, plan)
+
+    def _plan(self, cache: StaticKVCache, n: int, num_logits: int) -> _Keys | torch.Tensor | None:
+        """A chain's attention: decoding and verification on the kernel (query i sees the cache
+        and the new tokens up to itself), else one query at a time; a prefill batched."""
+        if n == 1 or num_logits == n:
+            if self.verifies_trees:
+                contiguous = torch.arange(cache.length + 1, cache.length + n + 1, dtype=torch.int32)
+                return _Keys(contiguous, torch.empty(n, 0, dtype=torch.int32))
+            if self.per_query_attention:
+                return None
+        return cache.causal_mask(n)
+
+    def _tree(
+        self, length: int, parents: torch.Tensor, n: int, num_logits: int
+    ) -> tuple[torch.Tensor, _Keys]:  # logical positions [n], and the keys each token sees
+        if not self.verifies_trees:
+            raise ValueError("this runner does not verify trees (verifies_trees is False): pass parents=None")
+        if num_logits != n or parents.shape != (n,):
+            raise ValueError(f"a tree of {n} tokens wants all {n} rows' logits and {n} parents")
+        paths: list[list[int]] = []  # the cache slots each token sees after the cached prefix
+        for i, parent in enumerate(parents.tolist()):
+            if not -1 <= parent < i:
+                raise ValueError(f"parents[{i}] = {parent}: a parent comes before its child, or is -1")
+            paths.append((paths[parent] if parent >= 0 else []) + [length + i])
+        width = max(len(path) for path in paths)
+        extra = torch.tensor([path + [-1] * (width - len(path)) for path in paths], dtype=torch.int32)
+        positions = torch.tensor([length + len(path) - 1 for path in paths], device=self.device)
+        return positions, _Keys(torch.full((n,), length, dtype=torch.int32), extra)
+
+    @staticmethod
+    def _rows(
+        table: torch.Tensor, length: int, n: int, tree: tuple[torch.Tensor, _Keys] | None
+    ) -> torch.Tensor:  # [n, head_dim] rows of a rope table at the new tokens' logical positions
+        return table[length : length + n] if tree is None else table[tree[0]]
+
     def compile(self) -> None:
         """Run one sequence's decoding and verification forwards compiled by torch.compile
-        (inductor). Batches of sequences and prefills stay eager. The first forward of each
+        (inductor), attending one query at a time through SDPA (the tree attention kernel is
+        off, and with it trees: verifies_trees becomes False). Batches of sequences and
+        prefills stay eager. The first forward of each
         size compiles: about a minute per size for the default model on 2 cores; inductor keeps
         the code on disk, so later processes pay less. Exactness holds as in eager: a verified
         token's logits are bitwise those of decoding it alone, compiled too
@@ -162,6 +282,8 @@ class FastLlamaRunner(StaticCacheRunner):
         # round every bfloat16 intermediate as eager does: inductor otherwise keeps fused chains
         # (the residual sums) in float32, and a token's logits would differ from eager decoding's
         self._compiled_layers = torch.compile(self._layers, dynamic=True, options={"emulate_precision_casts": True})
+        # inductor cannot look into the kernel: compiled forwards attend one query at a time
+        self._kernel = None
 
     def _layers(
         self,
@@ -170,10 +292,10 @@ class FastLlamaRunner(StaticCacheRunner):
         sin: torch.Tensor,  # [sum n_i, head_dim]
         kv: list[tuple[list[torch.Tensor], list[torch.Tensor], int]],  # per sequence: keys, values, cached length
         sizes: list[int],  # n_i
-        masks: list[torch.Tensor | None],  # [n_i, cached_i + n_i] bool; None: each query alone
+        plans: list[_Plan],  # per sequence, how its new tokens attend
     ) -> torch.Tensor:  # [sum n_i, hidden], the last layer's output
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, kv, sizes, masks)
+            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, kv, sizes, plans)
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         return x
@@ -187,21 +309,36 @@ class FastLlamaRunner(StaticCacheRunner):
         sin: torch.Tensor,  # [sum n_i, head_dim]
         kv: list[tuple[list[torch.Tensor], list[torch.Tensor], int]],
         sizes: list[int],
-        masks: list[torch.Tensor | None],
+        plans: list[_Plan],
     ) -> torch.Tensor:  # [sum n_i, hidden]
         total, d, heads, kv_heads = h.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = layer.qkv(h).view(total, heads + 2 * kv_heads, d)
         # queries and keys rotated in one pass (the same arithmetic per element, half the calls)
         q, k = _rope(qkv[:, : heads + kv_heads].transpose(0, 1), cos, sin).split([heads, kv_heads])
         v = qkv[:, heads + kv_heads :].transpose(0, 1)  # q [heads, sum n_i, d]; k, v [kv_heads, sum n_i, d]
-        outs = []
-        for (keys, values, length), q_i, k_i, v_i, mask in zip(
-            kv, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks
-        ):
+        if not any(isinstance(plan, _Bound) for plan in plans):  # SDPA alone (what compile() traces)
+            outs = [
+                attend(q_i, *append(keys[index], values[index], length, k_i, v_i), plan).transpose(0, 1)
+                for (keys, values, length), q_i, k_i, v_i, plan in zip(
+                    kv, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), plans
+                )
+            ]  # [n_i, heads, d] per sequence
+            out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [sum n_i, heads, d]
+            return layer.o(out.reshape(total, heads * d))
+        q = q if q.stride(2) == 1 else q.contiguous()  # the kernel reads a query's d elements in a row
+        out = torch.empty(total, heads, d, dtype=q.dtype, device=q.device)  # [sum n_i, heads, d]
+        size, start = q.element_size(), 0
+        for (keys, values, length), k_i, v_i, n, plan in zip(kv, k.split(sizes, 1), v.split(sizes, 1), sizes, plans):
             keys_so_far, values_so_far = append(keys[index], values[index], length, k_i, v_i)
-            outs.append(attend(q_i, keys_so_far, values_so_far, mask))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [heads, sum n_i, d]
-        return layer.o(out.transpose(0, 1).reshape(total, self.num_heads * d))
+            if isinstance(plan, _Bound):  # q [heads, sum n_i, d] strided, out [sum n_i, heads, d] contiguous
+                q_at, out_at = q.data_ptr() + start * q.stride(1) * size, out.data_ptr() + start * heads * d * size
+                plan.attend(q_at, keys[index].data_ptr(), values[index].data_ptr(), out_at, q.stride()[:2])
+            else:
+                out[start : start + n] = attend(q[:, start : start + n], keys_so_far, values_so_far, plan).transpose(
+                    0, 1
+                )
+            start += n
+        return layer.o(out.reshape(total, heads * d))
 
     def _copied_modules(self):
         for layer, fused in zip(self.model.model.layers, self.layers):

@@ -28,6 +28,7 @@ class HFModelRunner:
     stacks_sequences = False
     batch_invariant = False  # transformers' kernels round a row by what shares its product
     compilable = False
+    verifies_trees = False  # its attention takes no tree mask whose rows keep their one-token bits
 
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
@@ -69,7 +70,9 @@ class HFModelRunner:
         self._length = 0
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, num_logits: int, parents: torch.Tensor | None = None) -> torch.Tensor:
+        if parents is not None:
+            raise ValueError("HFModelRunner does not verify trees (verifies_trees is False): pass parents=None")
         count = token_ids.shape[0]
         if not self.rolls_back and self._length > 0 and count > 1:
             # after a cached prefix a recurrent layer goes on one token at a time (transformers'
@@ -105,6 +108,13 @@ class HFModelRunner:
             return
         self._crop_layers(length, self._cache.layers)
         self._length = length
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Keep the first len(offsets) of the last forward's new tokens (a crop); it runs no
+        trees, so other offsets are refused."""
+        if list(offsets) != list(range(len(offsets))):
+            raise ValueError(f"HFModelRunner keeps a prefix of the new tokens, not offsets {list(offsets)}")
+        self.crop(start + len(offsets))
 
     def _cache_rolls_back(self) -> bool:
         """Whether every layer of this model's cache crops exactly; a linear-attention layer

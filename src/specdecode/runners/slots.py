@@ -53,6 +53,10 @@ class SlotPool:
     def crop(self, slot: int, length: int) -> None:
         self.slots[slot].crop(length)
 
+    def keep(self, slot: int, start: int, offsets: list[int]) -> None:
+        """ModelRunner.keep on the slot's cache: the accepted path of its last forward."""
+        self.slots[slot].keep(start, offsets)
+
     def cache_length(self, slot: int) -> int:
         """Positions the slot's cache really holds (after a failed forward, maybe fewer than asked)."""
         return self.slots[slot].cache_length
@@ -62,10 +66,18 @@ class SlotPool:
         slots: list[int],
         token_ids: list[torch.Tensor],  # [n_i] new tokens of each slot, after its cached ones
         num_logits: list[int],
+        parents: list[torch.Tensor | None] | None = None,  # per slot: [n_i] int64 (a tree) or None (a chain)
     ) -> list[torch.Tensor]:  # [num_logits[i], vocab] per slot
         if self.runner.stacks_sequences and len(slots) > 1:
-            return self.runner.forward_batch([self.slots[s].cache for s in slots], token_ids, num_logits)
-        return [self.slots[s].forward(t, n) for s, t, n in zip(slots, token_ids, num_logits, strict=True)]
+            caches = [self.slots[s].cache for s in slots]
+            if parents is None or all(p is None for p in parents):  # chains: the call as before trees
+                return self.runner.forward_batch(caches, token_ids, num_logits)
+            return self.runner.forward_batch(caches, token_ids, num_logits, parents=parents)
+        parents = [None] * len(slots) if parents is None else parents
+        return [
+            self.slots[s].forward(t, n) if p is None else self.slots[s].forward(t, n, p)
+            for s, t, n, p in zip(slots, token_ids, num_logits, parents, strict=True)
+        ]
 
 
 def kv_bytes_per_token(runner: ModelRunner) -> int:

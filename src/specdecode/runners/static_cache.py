@@ -15,8 +15,9 @@ class StaticKVCache:
     """Keys and values of every layer in preallocated tensors, for the fast runners.
 
     Rolling back is `crop(n)`: rows past n are overwritten by the next forward, so nothing
-    is copied or freed. Capacity doubles when a sequence outgrows it, up to max_length;
-    `shrink` gives the memory of a long sequence back.
+    is copied or freed. After a tree forward, `keep(start, offsets)` moves the accepted path's
+    rows to consecutive positions. Capacity doubles when a sequence outgrows it, up to
+    max_length; `shrink` gives the memory of a long sequence back.
     """
 
     def __init__(
@@ -30,6 +31,8 @@ class StaticKVCache:
         # place (runners/opaque.py), where views of one tensor would be copied whole
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        # the last forward's start and its tokens' parents (None: a chain), for keep() to check
+        self._written: tuple[int, list[int] | None] | None = None
         self._grow(min(capacity, max_length))
 
     def empty_copy(self, capacity: int, max_length: int | None = None) -> StaticKVCache:
@@ -58,12 +61,39 @@ class StaticKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # all keys and values so far: [kv_heads, length + n, head_dim]
         return append(self.keys[layer], self.values[layer], self.length, keys, values)
 
-    def advance(self, num_new: int) -> None:
-        """The positions written by the last forward (every layer) are now cached."""
+    def advance(self, num_new: int, parents: list[int] | None = None) -> None:
+        """The positions written by the last forward (every layer) are now cached; parents: of
+        those tokens within them, for a tree (None: a chain)."""
+        self._written = (self.length, parents)
         self.length += num_new
 
     def crop(self, length: int) -> None:
+        if length < self.length:
+            self._written = None
         self.length = min(self.length, length)
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Of the last forward's new tokens, written after `start` cached positions, keep those
+        at `offsets` (into the new tokens) at positions start, start + 1, ...; the length becomes
+        start + len(offsets). Other than a prefix (a crop), the offsets must be a path from a
+        token of parent -1 down the last forward's tree: its rows were rotated by their depth,
+        which is the position they move to."""
+        offsets = list(offsets)
+        if offsets == list(range(len(offsets))):
+            if start + len(offsets) > self.length:
+                raise ValueError(
+                    f"keep({start}, {len(offsets)} offsets) reaches past the {self.length} cached positions"
+                )
+            self.crop(start + len(offsets))
+            return
+        written = self._written
+        if written is None or written[0] != start or written[1] is None or not _is_path(written[1], offsets):
+            raise ValueError(f"keep({start}, {offsets}): not a path of the last tree forward after {start} positions")
+        index = torch.tensor(offsets, device=self.device) + start
+        for rows in self.keys + self.values:
+            rows[:, start : start + len(offsets)] = rows[:, index]  # the gather copies before the write
+        self.length = start + len(offsets)
+        self._written = None
 
     def causal_mask(self, num_new: int) -> torch.Tensor | None:
         """[num_new, length + num_new] bool: a new token sees the cache and the new tokens up to itself."""
@@ -90,6 +120,16 @@ class StaticKVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
+def _is_path(parents: list[int], offsets: list[int]) -> bool:
+    """Whether offsets go from a token of parent -1 down to a descendant, parent to child."""
+    previous = -1
+    for offset in offsets:
+        if not 0 <= offset < len(parents) or parents[offset] != previous:
+            return False
+        previous = offset
+    return True
+
+
 def append(
     keys: torch.Tensor,  # [kv_heads, capacity, head_dim], one layer's cache
     values: torch.Tensor,  # [kv_heads, capacity, head_dim]
@@ -111,6 +151,7 @@ class StaticCacheRunner:
     stacks_sequences = False  # FastLlamaRunner overrides: it has forward_batch
     compilable = False  # FastLlamaRunner overrides: it has compile()
     rolls_back = True  # keys and values only: rows past the length are overwritten
+    verifies_trees = False  # FastLlamaRunner overrides: where its tree attention kernel runs
     per_query_attention: bool
 
     @property
@@ -129,6 +170,10 @@ class StaticCacheRunner:
 
     def crop(self, length: int) -> None:
         self.cache.crop(length)
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """See StaticKVCache.keep: a crop for a prefix of the new tokens, else a tree's path."""
+        self.cache.keep(start, offsets)
 
     def release_model_weights(self) -> None:
         """The fast paths hold each product's weight in oneDNN's layout (or int8) on the CPU, and
