@@ -58,6 +58,29 @@ def tiny_llama(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, ini
     )
 
 
+def head64_llama(
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    vocab_size: int = 256,
+    kv_heads: int = 2,
+    tie_word_embeddings: bool = False,
+    **config,
+) -> LlamaForCausalLM:
+    """hidden 256, head_dim 64: the default model's head size (which the fast runner's tree
+    attention kernel takes), with no special tokens, so nothing ends a generation early."""
+    torch.manual_seed(seed)
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+    special = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    llama = LlamaConfig(
+        vocab_size=vocab_size,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        **(shape | special | config),
+    )
+    return LlamaForCausalLM(llama).eval().to(dtype)
+
+
 def tiny_gpt2(seed: int, vocab_size: int = VOCAB, max_positions: int = 128, init: float = 0.6) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     config = GPT2Config(

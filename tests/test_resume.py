@@ -18,9 +18,9 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from helpers import SERVED_MODEL, CrashAt, metric, serving, tiny_tokenizer
+from helpers import SERVED_MODEL, CrashAt, head64_llama, metric, serving, tiny_tokenizer
 from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.decoder import Sequence
 from specdecode.drafters import PromptLookupDrafter
@@ -35,21 +35,7 @@ NEW_TOKENS = 120
 
 
 def bfloat16_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    return LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    return head64_llama(seed, vocab_size=VOCAB, tie_word_embeddings=False)
 
 
 def prompts(count: int = 4, seed: int = 0) -> list[list[int]]:

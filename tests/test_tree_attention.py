@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import tiny_causal_lm, tiny_gpt2, tiny_llama
+from helpers import head64_llama, tiny_causal_lm, tiny_gpt2, tiny_llama
 from specdecode.cache.response_cache import runner_variant
 from specdecode.cpu import cpu_flags
 from specdecode.runners import HFModelRunner, tree_attention
@@ -174,19 +174,8 @@ def test_sdpa_batched_with_a_causal_mask_would_round_queries_otherwise_than_alon
 
 def llama_runner(dtype: torch.dtype, kv_heads: int = 2, seed: int = 0) -> FastLlamaRunner:
     """hidden 256 with head_dim 64: the default model's head size, several key/value groupings."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-    )
-    return FastLlamaRunner(LlamaForCausalLM(config).eval().to(dtype))
+    model = head64_llama(seed, dtype, kv_heads=kv_heads, tie_word_embeddings=False, initializer_range=0.1)
+    return FastLlamaRunner(model)
 
 
 def random_tree(rng: random.Random, size: int, depth: int, branching: int) -> list[int]:

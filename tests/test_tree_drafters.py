@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import VOCAB, hf_greedy, tiny_llama
+from helpers import VOCAB, head64_llama, hf_greedy, tiny_llama
 from specdecode import SpeculativeEngine
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
@@ -334,22 +334,7 @@ def _assert_greedy_with_drafts_kept(engine: SpeculativeEngine, model) -> None:
 
 def bfloat16_llama(seed: int = 0):
     """A Llama whose head_dim (64) the fast runner's tree attention kernel takes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    return LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    return head64_llama(seed)
 
 
 def test_recycling_trees_verified_by_the_fast_runner_decode_as_target_only_decoding():

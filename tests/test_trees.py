@@ -468,7 +468,8 @@ def test_a_tree_step_keeps_the_accepted_path_and_counts_its_depth():
     stats = result.stats
     assert (stats.tree_steps, stats.tree_nodes, stats.tree_accepted_depth) == (1, 3, 2)
     assert stats.tree_histogram == {3: 1} and stats.drafted_histogram == {0: 2, 3: 1}
-    assert stats.drafted_per_position == [1, 1, 0] and stats.accepted_per_position == [1, 1, 0]  # by depth
+    # nodes by depth (two children of the root, one below), the accepted path by depth
+    assert stats.drafted_per_position == [2, 1, 0] and stats.accepted_per_position == [1, 1, 0]
     assert (stats.drafted_tokens, stats.accepted_tokens, stats.target_forwards) == (3, 2, 3)
 
 

@@ -48,7 +48,7 @@ class ServerMetrics:
         )
         self.accepted_per_position = Counter(
             "specdecode:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by their position in the draft (0 = first).",
+            "Draft tokens accepted, by their position in the draft (0 = first; a tree: its accepted path by depth).",
             ["position"],
             registry=r,
         )
@@ -122,7 +122,7 @@ class ServerMetrics:
         )
         self.drafted_per_position = Counter(
             "specdecode:spec_decode_num_draft_tokens_per_pos",
-            "Draft tokens proposed, by their position in the draft (0 = first): the denominator of acceptance by position.",
+            "Draft tokens proposed, by their position in the draft (0 = first; a tree's nodes by depth): the denominator of acceptance by position.",
             ["position"],
             registry=r,
         )
