@@ -8,22 +8,22 @@ copy, edit, extract, summarize; open-ended): acceptance rate, mean accepted leng
 seconds over the same prompts. Adaptive drafters share the target's step costs and keep
 what they measured from prompt to prompt, as in a server.
 
-    .venv/bin/python benchmarks/drafters.py [--new-tokens 64] [--out benchmarks/results/drafters.md]
+    .venv/bin/python benchmarks/drafters.py [--max-new-tokens 64] [-k 12] [--dtype float32] [--lookup-only] [--out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import platform
-import time
 from collections import defaultdict
 
 import torch
 from transformers import LlamaForCausalLM
 
-from report import emit
-from specdecode import CacheOptions, SpeculativeEngine
+from specdecode import SpeculativeEngine
+from specdecode.bench.interleave import interleave
+from specdecode.bench.prompts import DRAFTER_PROMPTS
+from specdecode.bench.scripts import NO_CACHE, script_parser, write_table
+from specdecode.bench.tables import markdown_table
 from specdecode.drafters import (
     AutoDrafter,
     CrossTokenizerDrafter,
@@ -34,28 +34,7 @@ from specdecode.drafters import (
 from specdecode.loading import load_model
 from specdecode.runners import runner_for
 
-PASSAGE = (
-    "The city council met on Tuesday to discuss the new public library. The building will have three floors, "
-    "a children's reading room, and a cafe. Construction starts in March and should take eighteen months. "
-    "The budget is twelve million dollars, paid for by a state grant and local taxes."
-)
-PROMPTS = {
-    "copy": [
-        f"Copy this text exactly, word for word: {PASSAGE}",
-        f"Rewrite this text, replacing 'library' with 'museum' and changing nothing else: {PASSAGE}",
-        f"Extract every sentence that contains a number from this text, one per line: {PASSAGE}",
-        f"Summarize this text in two sentences, reusing its own words: {PASSAGE}",
-    ],
-    "open-ended": [
-        "Write a short story about a robot who learns to paint.",
-        "Explain why the sky is blue to a ten-year-old.",
-        "Give five tips for staying focused while studying.",
-        "Write a friendly email inviting a colleague to lunch.",
-    ],
-}
-
-
-NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
+BEFORE, AFTER = "target-only, before", "target-only, after"  # each prompt's baseline: the mean of the two
 
 
 def random_draft(target) -> LlamaForCausalLM:
@@ -96,18 +75,8 @@ def drafters(engine: SpeculativeEngine, k_max: int, model_drafters: bool = True)
     }
 
 
-def timed(engine: SpeculativeEngine, prompt: str, new_tokens: int, speculative: bool = True):
-    start = time.perf_counter()
-    result = engine.generate(prompt, max_new_tokens=new_tokens, chat=True, speculative=speculative)[0]
-    return result, time.perf_counter() - start
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--k-max", type=int, default=12)
-    parser.add_argument("--out", default="benchmarks/results/drafters.md")
-    parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafters compare against it)")
+    parser = script_parser(__doc__, max_new_tokens=64, k=12, dtype="float32")
     parser.add_argument("--lookup-only", action="store_true", help="only prompt lookup, auto and the random draft")
     args = parser.parse_args()
 
@@ -120,26 +89,37 @@ def main() -> None:
         keep_model_weights=True,  # the self-quantized drafters copy it
     )
     views = {}
-    for name, (drafter, k, adaptive) in drafters(engine, args.k_max, not args.lookup_only).items():
-        views[name] = view = engine.with_drafter(drafter, k, adaptive)  # shares the target and tokenizer
-        timed(view, "Say hello.", 8)  # warm-up: first calls and first measurements
+    for name, (drafter, k, adaptive) in drafters(engine, args.k, not args.lookup_only).items():
+        views[name] = view = engine.with_drafter(drafter, k, adaptive=adaptive)  # shares the target and tokenizer
+        view.generate("Say hello.", max_new_tokens=8, chat=True)  # warm-up: first calls and first measurements
+
+    def system(view: SpeculativeEngine, speculative: bool = True):
+        return lambda prompt: view.generate(
+            prompt, max_new_tokens=args.max_new_tokens, chat=True, speculative=speculative
+        )[0]
+
+    systems = (
+        {BEFORE: system(engine, False)} | {n: system(v) for n, v in views.items()} | {AFTER: system(engine, False)}
+    )
     totals = defaultdict(lambda: defaultdict(float))  # (drafter, kind) -> sums
-    for kind, prompts in PROMPTS.items():
-        for prompt in prompts:
-            first, first_s = timed(engine, prompt, args.new_tokens, speculative=False)
-            runs = {name: timed(view, prompt, args.new_tokens) for name, view in views.items()}
-            last, last_s = timed(engine, prompt, args.new_tokens, speculative=False)
-            assert first.token_ids == last.token_ids
-            baseline_s = (first_s + last_s) / 2
-            _add(totals["target-only", kind], first, baseline_s, baseline_s, True)
-            for name, (result, seconds) in runs.items():
-                _add(totals[name, kind], result, seconds, baseline_s, result.token_ids == first.token_ids)
+    for kind, prompts in DRAFTER_PROMPTS.items():
+        runs = interleave(systems, prompts)
+        for index in range(len(prompts)):
+            seen = {r.system: r for r in runs if r.item == index}
+            first, last = seen.pop(BEFORE), seen.pop(AFTER)
+            assert first.value.token_ids == last.value.token_ids
+            baseline_s = (first.seconds + last.seconds) / 2
+            _add(totals["target-only", kind], first.value, baseline_s, baseline_s, True)
+            for name, run in seen.items():
+                _add(
+                    totals[name, kind], run.value, run.seconds, baseline_s, run.value.token_ids == first.value.token_ids
+                )
             print(
                 f"{kind:10s} {baseline_s:5.2f} s target-only | "
-                + " | ".join(f"{name.split(',')[0]} {baseline_s / s:.2f}x" for name, (_, s) in runs.items()),
+                + " | ".join(f"{name.split(',')[0]} {baseline_s / run.seconds:.2f}x" for name, run in seen.items()),
                 flush=True,
             )
-    emit(_table(totals, list(views), args), args.out)
+    write_table(_table(totals, list(views), args), args.out)
 
 
 def _add(sums: dict, result, seconds: float, baseline_s: float, identical: bool) -> None:
@@ -154,27 +134,27 @@ def _add(sums: dict, result, seconds: float, baseline_s: float, identical: bool)
 
 
 def _table(totals: dict, names: list[str], args) -> str:
-    lines = [
-        f"# Drafters on smollm2-135m-instruct ({args.dtype}, CPU, {torch.get_num_threads()} threads, {platform.machine()})",
-        "",
-        f"Command: `.venv/bin/python benchmarks/drafters.py --new-tokens {args.new_tokens} --k-max {args.k_max} "
-        f"--dtype {args.dtype}{' --lookup-only' if args.lookup_only else ''} --out {args.out}`. "
-        f"Greedy, {args.new_tokens} new tokens, 4 prompts per type; speedup = target-only seconds / drafter "
-        "seconds on the same prompts, target-only run before and after each prompt's drafters.",
-        "",
-        "| drafter | prompts | acceptance | mean accepted length | mean k | tokens/s | speedup | outputs identical |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name in ["target-only", *names]:
-        for kind in PROMPTS:
+        for kind in DRAFTER_PROMPTS:
             s = totals[name, kind]
             acceptance = f"{s['accepted'] / s['drafted']:.0%}" if s["drafted"] else "-"
-            lines.append(
-                f"| {name} | {kind} | {acceptance} | {s['tokens'] / s['forwards']:.2f} | "
-                f"{s['drafted'] / s['forwards']:.1f} | {s['tokens'] / s['seconds']:.1f} | "
-                f"{s['baseline_s'] / s['seconds']:.2f}x | {'yes' if not s['differ'] else 'NO'} |"
+            rows.append(
+                [name, kind, acceptance, f"{s['tokens'] / s['forwards']:.2f}", f"{s['drafted'] / s['forwards']:.1f}"]
+                + [f"{s['tokens'] / s['seconds']:.1f}", f"{s['baseline_s'] / s['seconds']:.2f}x"]
+                + ["yes" if not s["differ"] else "NO"]
             )
-    return "\n".join(lines)
+    header = ["drafter", "prompts", "acceptance", "mean accepted length", "mean k", "tokens/s", "speedup"]
+    return "\n".join(
+        [
+            f"# Drafters on smollm2-135m-instruct ({args.dtype}, CPU)",
+            "",
+            f"Greedy, {args.max_new_tokens} new tokens, 4 prompts per type; speedup = target-only seconds / drafter "
+            "seconds on the same prompts, target-only run before and after each prompt's drafters.",
+            "",
+            markdown_table([*header, "outputs identical"], rows),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -10,43 +10,27 @@
    generation, minus RSS before, against the weights' bytes (each dtype in a fresh process);
 5. with --compile, 1-3 again for bfloat16 compiled by torch.compile (compiled before timing).
 
-    .venv/bin/python benchmarks/fast_path.py [--new-tokens 64] [--compile] [--out benchmarks/results/fast-path.md]
+    .venv/bin/python benchmarks/fast_path.py [--max-new-tokens 64] [--compile] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
-from specdecode import CacheOptions, SpeculativeEngine
-from specdecode.bench.environment import cpu_name
-from specdecode.bench.profiler import cached_forward_ms, rss_bytes
-from specdecode.bench.prompts import load_prompts
-
-NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
-HELD_OUT = ("writing", "qa", "coding", "stem")  # the third prompt of each: the bench's defaults take the first
-COPY_PROMPTS = [
-    "Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model "
-    "verifies in one pass, so generation gets faster without changing its output.",
-    "Repeat the following list word for word: apples, bananas, cherries, dates, elderberries, figs, grapes, "
-    "honeydew melons, kiwis, lemons, mangoes and nectarines.",
-    "Rename the variable `total` to `sum_of_values` in this code and print the whole function:\n"
-    "def add_all(values):\n    total = 0\n    for value in values:\n        total += value\n    return total\n",
-]
-
-
-def held_out_prompts() -> list[str]:
-    prompts = load_prompts()
-    return [[p for p in prompts if p.category == c][2].text for c in HELD_OUT]
+from specdecode import SpeculativeEngine
+from specdecode.bench.interleave import interleave, medians
+from specdecode.bench.prompts import COPY_PROMPTS, held_out_prompts
+from specdecode.bench.scripts import NO_CACHE, script_parser, write_table
+from specdecode.bench.tables import markdown_table
+from specdecode.runners.profiling import cached_forward_ms, rss_bytes
 
 
 def speed(dtype: str, new_tokens: int, compile: bool = False) -> dict:
@@ -61,39 +45,39 @@ def speed(dtype: str, new_tokens: int, compile: bool = False) -> dict:
             cached_forward_ms(engine.target_runner, n, repeats=1)
     compile_seconds = time.perf_counter() - start
     prompts = [engine.encode(p, chat=True) for p in held_out_prompts()]
-    hf, ours = [], []
     eos, engine.eos_token_ids = engine.eos_token_ids, frozenset()  # both decode exactly new_tokens
-    for ids in [prompts[0], *prompts]:  # the first pass warms up and is not kept
+
+    def hf(ids: list[int]) -> None:
         input_ids = torch.tensor([ids])
-        start = time.perf_counter()
+        mask = torch.ones_like(input_ids)
         model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
+            input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
         )
-        hf.append(new_tokens / (time.perf_counter() - start))
-        result = engine.generate([ids], max_new_tokens=new_tokens, speculative=False)[0]
-        ours.append(result.stats.tokens_per_second)
+
+    def ours(ids: list[int]) -> None:
+        engine.generate([ids], max_new_tokens=new_tokens, speculative=False)
+
+    # side by side per prompt, after one untimed pass of each on the first prompt
+    seconds = medians(interleave({"hf": hf, "ours": ours}, prompts, warm_up=1))
     engine.eos_token_ids = eos
     copy_ids = [engine.encode(p, chat=True) for p in COPY_PROMPTS]
-    engine.generate([copy_ids[0]], max_new_tokens=8)  # warm the verification shapes
-    lookup, identical = [], 0
-    for ids in copy_ids:
-        base = engine.generate([ids], max_new_tokens=new_tokens, speculative=False)[0]
-        spec = engine.generate([ids], max_new_tokens=new_tokens)[0]
-        lookup.append(spec.stats.tokens_per_second)
-        identical += spec.token_ids == base.token_ids
+
+    def decode(speculative: bool):
+        return lambda ids: engine.generate([ids], max_new_tokens=new_tokens, speculative=speculative)[0]
+
+    lookup = interleave({"target-only": decode(False), "lookup": decode(True)}, copy_ids, warm_up=1)
+    outputs = {(r.system, r.item): r.value.token_ids for r in lookup}
+    identical = sum(outputs["lookup", i] == outputs["target-only", i] for i in range(len(copy_ids)))
+    lookup_speed = statistics.median(r.value.stats.tokens_per_second for r in lookup if r.system == "lookup")
     return dict(
         dtype=dtype + (", compiled" if compile else ""),
         compile_seconds=compile_seconds,
         largest_size=engine.num_speculative_tokens + 1,
-        hf=statistics.median(hf[1:]),
-        ours=statistics.median(ours[1:]),
+        hf=new_tokens / seconds["hf"],
+        ours=new_tokens / seconds["ours"],
         forward_1=cached_forward_ms(engine.target_runner, 1),
         forward_5=cached_forward_ms(engine.target_runner, 5),
-        lookup=statistics.median(lookup),
+        lookup=lookup_speed,
         identical=f"{identical}/{len(copy_ids)}",
     )
 
@@ -118,44 +102,44 @@ def memory(dtype: str) -> dict:
 
 
 def report(speeds: list[dict], memories: list[dict], new_tokens: int) -> str:
-    lines = [
-        f"Default model (SmolLM2-135M-Instruct), {os.cpu_count()} CPUs of {cpu_name()}, "
-        f"{torch.get_num_threads()} threads, greedy, {new_tokens} new tokens; median over prompts.",
-        "",
-        "| dtype | transformers generate tok/s | target-only tok/s | ratio | forward 1 token ms "
-        "| forward 5 tokens ms | 5 / 1 | prompt lookup on copy prompts tok/s | identical to target-only |",
-        "|---|---|---|---|---|---|---|---|---|",
+    header = ["dtype", "transformers generate tok/s", "target-only tok/s", "ratio", "forward 1 token ms"]
+    header += ["forward 5 tokens ms", "5 / 1", "prompt lookup on copy prompts tok/s", "identical to target-only"]
+    rows = [
+        [s["dtype"], f"{s['hf']:.1f}", f"{s['ours']:.1f}", f"{s['ours'] / s['hf']:.2f}x", f"{s['forward_1']:.1f}"]
+        + [f"{s['forward_5']:.1f}", f"{s['forward_5'] / s['forward_1']:.2f}", f"{s['lookup']:.1f}", s["identical"]]
+        for s in speeds
     ]
-    for s in speeds:
-        lines.append(
-            f"| {s['dtype']} | {s['hf']:.1f} | {s['ours']:.1f} | {s['ours'] / s['hf']:.2f}x | {s['forward_1']:.1f} "
-            f"| {s['forward_5']:.1f} | {s['forward_5'] / s['forward_1']:.2f} | {s['lookup']:.1f} | {s['identical']} |"
-        )
+    lines = [
+        f"Default model (SmolLM2-135M-Instruct), greedy, {new_tokens} new tokens; median over prompts.",
+        "",
+        markdown_table(header, rows),
+    ]
     for s in speeds:
         if s["compile_seconds"] > 1:
             sizes = f"1 to {s['largest_size']}"
             lines.append(f"\n{s['dtype']}: compiling sizes {sizes} took {s['compile_seconds']:.0f} s before timing.")
-    lines += [
-        "",
-        "| dtype | weights MB | RSS added MB | of which KV cache MB | of which tokenizer MB | RSS added / weights "
-        "| without the KV cache | without the KV cache and tokenizer |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["dtype", "weights MB", "RSS added MB", "of which KV cache MB", "of which tokenizer MB"]
+    header += ["RSS added / weights", "without the KV cache", "without the KV cache and tokenizer"]
+    rows = []
     for m in memories:
-        mb = {k: m[k] / 1e6 for k in ("weights", "added", "kv_cache", "tokenizer")}
+        mb = {k: f"{m[k] / 1e6:.0f}" for k in ("weights", "added", "kv_cache", "tokenizer")}
         model_only = m["added"] - m["kv_cache"] - m["tokenizer"]
-        lines.append(
-            f"| {m['dtype']} | {mb['weights']:.0f} | {mb['added']:.0f} | {mb['kv_cache']:.0f} | {mb['tokenizer']:.0f} "
-            f"| {m['added'] / m['weights']:.2f}x | {(m['added'] - m['kv_cache']) / m['weights']:.2f}x "
-            f"| {model_only / m['weights']:.2f}x |"
+        rows.append(
+            [
+                m["dtype"],
+                mb["weights"],
+                mb["added"],
+                mb["kv_cache"],
+                mb["tokenizer"],
+                f"{m['added'] / m['weights']:.2f}x",
+            ]
+            + [f"{(m['added'] - m['kv_cache']) / m['weights']:.2f}x", f"{model_only / m['weights']:.2f}x"]
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", markdown_table(header, rows)])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", default="benchmarks/results/fast-path.md")
+    parser = script_parser(__doc__, max_new_tokens=64)
     parser.add_argument("--compile", action="store_true", help="also bfloat16 compiled by torch.compile")
     parser.add_argument("--memory", help=argparse.SUPPRESS)  # internal: one memory reading, as JSON
     args = parser.parse_args()
@@ -171,13 +155,10 @@ def main() -> None:
         )
         for d in dtypes
     ]
-    speeds = [speed(d, args.new_tokens) for d in dtypes]
+    speeds = [speed(d, args.max_new_tokens) for d in dtypes]
     if args.compile:
-        speeds.append(speed("bfloat16", args.new_tokens, compile=True))
-    text = report(speeds, memories, args.new_tokens)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+        speeds.append(speed("bfloat16", args.max_new_tokens, compile=True))
+    write_table(report(speeds, memories, args.max_new_tokens), args.out)
 
 
 if __name__ == "__main__":

@@ -5,30 +5,23 @@ speculation alone and batched (8 at a time): how many outputs equal target-only 
 token for token. `auto` picks float32 on CUDA until this prints every output identical for a
 half precision.
 
-    python benchmarks/gpu_exactness.py --device cuda [--dtypes float32,bfloat16,float16] [--out FILE]
+    .venv/bin/python benchmarks/gpu_exactness.py [--device cuda] [--dtypes float32,bfloat16,float16] [--max-new-tokens 64] [--out FILE]
 
 Prompts: the first 10 of the shipped Spec-Bench subset (copy-type ones draft the most).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import torch
 
-from report import emit
-from specdecode import CacheOptions, DrafterOptions, SpeculativeEngine
-from specdecode.bench.prompts import default_prompt_file
+from specdecode import DrafterOptions, SpeculativeEngine
+from specdecode.bench.prompts import load_prompts
+from specdecode.bench.scripts import NO_CACHE, script_parser, write_table
+from specdecode.bench.tables import markdown_table
 
 NUM_PROMPTS = 10
-
-
-def prompts() -> list[str]:
-    with open(default_prompt_file()) as lines:
-        rows = [json.loads(line) for line in lines]
-    return [(row.get("turns") or [row.get("prompt")])[0] for row in rows[:NUM_PROMPTS]]
 
 
 def check(dtype: str, device: str, new_tokens: int) -> list[str]:
@@ -37,9 +30,9 @@ def check(dtype: str, device: str, new_tokens: int) -> list[str]:
         device=device,
         dtype=dtype,
         options=DrafterOptions(adaptive=False),
-        cache=CacheOptions(response_cache=False, draft_store=False),  # every output decoded
+        cache=NO_CACHE,  # every output decoded
     )
-    texts = prompts()
+    texts = [p.text for p in load_prompts()[:NUM_PROMPTS]]
     options = dict(max_new_tokens=new_tokens, chat=True)
     start = time.perf_counter()
     target_only = [engine.generate(t, speculative=False, **options)[0] for t in texts]
@@ -55,22 +48,14 @@ def check(dtype: str, device: str, new_tokens: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", default=None)
+    parser = script_parser(__doc__, device="cuda", max_new_tokens=64)
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16", help="comma-separated [default: %(default)s]")
     args = parser.parse_args()
-    name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    rows = [check(dtype, args.device, args.new_tokens) for dtype in args.dtypes.split(",")]
+    rows = [check(dtype, args.device, args.max_new_tokens) for dtype in args.dtypes.split(",")]
     header = ["dtype", "speculative alone = target-only", "batched = target-only", "accepted drafts", "seconds"]
-    lines = [
-        f"Exactness of speculation on {name}, {args.new_tokens} greedy tokens",
-        "",
-        "| " + " | ".join(header) + " |",
-    ]
-    lines += ["|" + "---|" * len(header)] + ["| " + " | ".join(row) + " |" for row in rows]
-    emit("\n".join(lines), args.out)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    lines = [f"Exactness of speculation on {name}, {args.max_new_tokens} greedy tokens", ""]
+    write_table("\n".join([*lines, markdown_table(header, rows)]), args.out)
 
 
 if __name__ == "__main__":

@@ -12,32 +12,28 @@ brief), loaded in bfloat16, nf4 (bfloat16 compute) and int8 (LLM.int8):
   prompt (exactness relative to the model that runs), and the share of bfloat16's greedy
   tokens each quantized model reproduces (how far quantizing moved the model).
 
-    .venv/bin/python benchmarks/gpu_quantization.py [--device cuda] [--new-tokens 64] \\
-        [--out benchmarks/results/gpu-quantization.md]
+    .venv/bin/python benchmarks/gpu_quantization.py [--device cuda] [--max-new-tokens 64] [--out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from specdecode import SpeculativeEngine
+from specdecode.bench.interleave import interleave, medians
+from specdecode.bench.prompts import COPY_PROMPTS, OPEN_PROMPTS
+from specdecode.bench.scripts import script_parser, write_table
+from specdecode.bench.tables import markdown_table
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.loading import bnb_config, load_model
 from specdecode.runners import runner_for
 
-PROMPTS = [
-    "Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model "
-    "verifies in one pass, so generation gets faster without changing its output.",
-    "Write a short story about a robot who learns to paint.",
-    "Explain why the sky is blue to a ten-year-old.",
-]
+PROMPTS = [COPY_PROMPTS[0], *OPEN_PROMPTS[:2]]  # one copy-type, two open-ended
 PRECISIONS = (None, "nf4", "int8")  # None: bfloat16
 
 
@@ -73,75 +69,43 @@ def measure(load, quantization: str | None, prompts: list[list[int]], new_tokens
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model, tokenizer = load(quantization)
-    engine = SpeculativeEngine(model, tokenizer, PromptLookupDrafter(), 4, adaptive=True)
+    engine = SpeculativeEngine(model, tokenizer, PromptLookupDrafter(), num_speculative_tokens=4, adaptive=True)
     systems = {"prompt lookup": engine}
     if draft is not None:
         systems["draft model"] = engine.with_drafter(ModelDrafter(runner_for(draft)), 4, adaptive=True)
     weights = model.get_memory_footprint()
-    engine.generate([prompts[0]], max_new_tokens=8)  # warm-up
-    base_tps, greedy, spec = [], [], {name: ([], 0) for name in systems}
-    for ids in prompts:
-        base = engine.generate([ids], max_new_tokens=new_tokens, speculative=False)[0]
-        base_tps.append(base.stats.tokens_per_second)
-        greedy.append(base.token_ids)
-        for name, system in systems.items():
-            result = system.generate([ids], max_new_tokens=new_tokens)[0]
-            values, same = spec[name]
-            values.append(result.stats.tokens_per_second)
-            spec[name] = (values, same + (result.token_ids == base.token_ids))
+
+    def decode(view: SpeculativeEngine, speculative: bool = True):
+        return lambda ids: view.generate([ids], max_new_tokens=new_tokens, speculative=speculative)[0]
+
+    named = {"target-only": decode(engine, False)} | {name: decode(view) for name, view in systems.items()}
+    runs = interleave(named, prompts, warm_up=1)
+    greedy = [r.value.token_ids for r in runs if r.system == "target-only"]  # in prompt order
+    speed = medians(runs, key=lambda run: run.value.stats.tokens_per_second)
+    same = {name: sum(r.value.token_ids == greedy[r.item] for r in runs if r.system == name) for name in systems}
     return dict(
         precision=engine.precision,
         weights=weights,
         peak=torch.cuda.max_memory_allocated(),
-        target_only=statistics.median(base_tps),
-        speculative={name: (statistics.median(v), same) for name, (v, same) in spec.items()},
+        target_only=speed["target-only"],
+        speculative={name: (speed[name], same[name]) for name in systems},
         greedy=greedy,
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", default="benchmarks/results/gpu-quantization.md")
+    parser = script_parser(__doc__, device="cuda", max_new_tokens=64)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: this script is for a session with one")
-
-    lines = [
-        f"{torch.cuda.get_device_name()}, {args.new_tokens} new tokens, greedy, {len(PROMPTS)} prompts; "
-        f"{time.strftime('%Y-%m-%d')}.",
-        "",
-        "| target | precision | weights MB | peak CUDA MB | target-only tok/s | speculative tok/s (identical to "
-        "target-only) | bfloat16 greedy tokens reproduced |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     with tempfile.TemporaryDirectory() as folder:
-        _, tokenizer = load_model("smollm2-135m-instruct", "cpu")
-        chat = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
-        ]
-        gpt2_folder, draft = random_gpt2_pair(Path(folder))
-        generator = torch.Generator().manual_seed(0)
-        random_prompts = []
-        for _ in PROMPTS:  # random ids with a repeated stretch, for prompt lookup to find
-            ids = torch.randint(0, 50257, (40,), generator=generator).tolist()
-            random_prompts.append(ids + ids[:20])
-        targets = [
-            ("smollm2-135m-instruct", loader("smollm2-135m-instruct", args.device), chat, None),
-            (
-                "gpt2-medium-sized (random), distilgpt2-sized draft",
-                loader(gpt2_folder, args.device),
-                random_prompts,
-                draft,
-            ),
-        ]
-        for label, load, prompts, draft_model in targets:
+        for label, load, prompts, draft_model in targets(Path(folder), args.device):
             if draft_model is not None:
                 draft_model = draft_model.to(args.device, torch.bfloat16)
             reference = None
             for quantization in PRECISIONS:
-                r = measure(load, quantization, prompts, args.new_tokens, draft_model)
+                r = measure(load, quantization, prompts, args.max_new_tokens, draft_model)
                 reference = reference or r["greedy"]
                 reproduced = statistics.mean(
                     next((i for i, (a, b) in enumerate(zip(g, ref)) if a != b), len(ref)) / max(len(ref), 1)
@@ -150,16 +114,33 @@ def main() -> None:
                 spec = ", ".join(
                     f"{name} {tps:.1f} ({same}/{len(prompts)})" for name, (tps, same) in r["speculative"].items()
                 )
-                row = (
-                    f"| {label} | {r['precision']} | {r['weights'] / 1e6:.0f} | {r['peak'] / 1e6:.0f} | "
-                    f"{r['target_only']:.1f} | {spec} | {reproduced:.0%} |"
+                rows.append(
+                    [label, r["precision"], f"{r['weights'] / 1e6:.0f}", f"{r['peak'] / 1e6:.0f}"]
+                    + [f"{r['target_only']:.1f}", spec, f"{reproduced:.0%}"]
                 )
-                print(row, flush=True)
-                lines.append(row)
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
+                print(rows[-1], flush=True)
+    header = ["target", "precision", "weights MB", "peak CUDA MB", "target-only tok/s"]
+    header += ["speculative tok/s (identical to target-only)", "bfloat16 greedy tokens reproduced"]
+    title = f"{torch.cuda.get_device_name()}, {args.max_new_tokens} new tokens, greedy, {len(PROMPTS)} prompts."
+    write_table(f"{title}\n\n{markdown_table(header, rows)}", args.out)
+
+
+def targets(folder: Path, device: str) -> list[tuple]:
+    """(label, loader, prompt ids, draft model or None) of each target."""
+    _, tokenizer = load_model("smollm2-135m-instruct", "cpu")
+    chat = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
+    ]
+    gpt2_folder, draft = random_gpt2_pair(folder)
+    generator = torch.Generator().manual_seed(0)
+    random_prompts = []
+    for _ in PROMPTS:  # random ids with a repeated stretch, for prompt lookup to find
+        ids = torch.randint(0, 50257, (40,), generator=generator).tolist()
+        random_prompts.append(ids + ids[:20])
+    return [
+        ("smollm2-135m-instruct", loader("smollm2-135m-instruct", device), chat, None),
+        ("gpt2-medium-sized (random), distilgpt2-sized draft", loader(gpt2_folder, device), random_prompts, draft),
+    ]
 
 
 if __name__ == "__main__":

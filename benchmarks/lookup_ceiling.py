@@ -3,31 +3,27 @@
 For each prompt, the target's greedy answer (target-only decoding, chat template on). Then
 prompt lookup is replayed against it with a fixed k: each step drafts from the tokens so far,
 keeps the draft tokens that equal the answer, and adds one, as verification would. The steps
-priced at the forward costs measured here (`profiling.profile_forward`) plus the prompt's
+priced at the forward costs measured here (`runners.profiling.profile_forward`) plus the prompt's
 prefill give the speculative time; target-only pays one one-token forward per answer token.
 The last column prices every step as a one-token forward: no faster verification can beat it,
 so it bounds what prompt lookup can reach on these answers whatever the hardware.
 
-    .venv/bin/python benchmarks/lookup_ceiling.py [--dtype float32] [--out benchmarks/results/lookup-ceiling-float32.md]
+    .venv/bin/python benchmarks/lookup_ceiling.py [--dtype float32] [--max-new-tokens 64] [--out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from drafters import PROMPTS
-from report import emit
-from specdecode import CacheOptions, SpeculativeEngine
-from specdecode.bench.profiler import measure_hardware, median_seconds, profile_forward
+from specdecode import SpeculativeEngine
+from specdecode.bench.prompts import DRAFTER_PROMPTS
+from specdecode.bench.scripts import NO_CACHE, script_parser, write_table
+from specdecode.bench.tables import markdown_table
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import PromptLookupDrafter
+from specdecode.runners.profiling import measure_hardware, median_seconds, profile_forward
 
 KS = (2, 4, 8, 12, 16)
-
-
-NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
 
 
 def lookup_steps(prompt: list[int], answer: list[int], k: int) -> list[int]:
@@ -45,10 +41,7 @@ def lookup_steps(prompt: list[int], answer: list[int], k: int) -> list[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", default=None)
+    parser = script_parser(__doc__, dtype="float32", max_new_tokens=64)
     args = parser.parse_args()
     engine = SpeculativeEngine.from_pretrained(
         "smollm2-135m-instruct", drafter="none", device="cpu", dtype=args.dtype, cache=NO_CACHE, keep_model_weights=True
@@ -59,21 +52,12 @@ def main() -> None:
         c.new_tokens: c.seconds
         for c in profile_forward(runner, model, hardware, tuple(range(1, max(KS) + 2)), prefix=100)
     }
-    lines = [
-        f"# Prompt lookup's ceiling on smollm2-135m-instruct ({args.dtype}, CPU, {torch.get_num_threads()} threads)",
-        "",
-        f"Command: `.venv/bin/python benchmarks/lookup_ceiling.py --dtype {args.dtype}`. Forward ms by tokens verified: "
-        + ", ".join(f"{n}: {s * 1e3:.0f}" for n, s in costs.items())
-        + ".",
-        "",
-        "| prompts | k | tokens per forward | speedup at measured costs | speedup if verification cost one token |",
-        "|---|---|---|---|---|",
-    ]
-    for kind, prompts in PROMPTS.items():
+    rows = []
+    for kind, prompts in DRAFTER_PROMPTS.items():
         answers = []
         for prompt in prompts:
-            ids = engine.prompt_token_ids(prompt, chat=True)
-            answer = engine.generate([ids], max_new_tokens=args.new_tokens, speculative=False)[0].token_ids
+            ids = engine.encode(prompt, chat=True)
+            answer = engine.generate([ids], max_new_tokens=args.max_new_tokens, speculative=False)[0].token_ids
             prefill = median_seconds(lambda: (runner.reset(), runner.forward(torch.tensor(ids), 1)), repeats=3)  # noqa: B023
             answers.append((ids, answer, prefill))
         target_only = sum(prefill + len(answer) * costs[1] for _, answer, prefill in answers)
@@ -82,8 +66,24 @@ def main() -> None:
             measured = sum(p + sum(costs[n] for n in s) for (_, _, p), s in zip(answers, steps))
             free = sum(p + len(s) * costs[1] for (_, _, p), s in zip(answers, steps))
             tokens = sum(len(a) for _, a, _ in answers) / sum(len(s) for s in steps)
-            lines.append(f"| {kind} | {k} | {tokens:.2f} | {target_only / measured:.2f}x | {target_only / free:.2f}x |")
-    emit("\n".join(lines), args.out)
+            rows.append([kind, k, f"{tokens:.2f}", f"{target_only / measured:.2f}x", f"{target_only / free:.2f}x"])
+    header = [
+        "prompts",
+        "k",
+        "tokens per forward",
+        "speedup at measured costs",
+        "speedup if verification cost one token",
+    ]
+    text = "\n".join(
+        [
+            f"# Prompt lookup's ceiling on smollm2-135m-instruct ({args.dtype}, CPU)",
+            "",
+            "Forward ms by tokens verified: " + ", ".join(f"{n}: {s * 1e3:.0f}" for n, s in costs.items()) + ".",
+            "",
+            markdown_table(header, rows),
+        ]
+    )
+    write_table(text, args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ first difference, and argmax agreement along float32's greedy path). Then the 4-
 the float32 target as its self-draft (`--drafter self-quantized --draft-quantization nf4`)
 against float32 target-only decoding, in one process.
 
-    .venv/bin/python benchmarks/quantization.py [--new-tokens 48] [--out benchmarks/results/quantization.md]
+    .venv/bin/python benchmarks/quantization.py [--max-new-tokens 48] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,20 +20,19 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from specdecode import CacheOptions, DrafterOptions, SpeculativeEngine
-from specdecode.bench.profiler import cached_forward_ms, rss_bytes
+from specdecode import DrafterOptions, SpeculativeEngine
+from specdecode.bench.interleave import interleave
+from specdecode.bench.prompts import COPY_PROMPTS, OPEN_PROMPTS, PERPLEXITY_TEXT
+from specdecode.bench.quality import greedy_agreement, runner_perplexity
+from specdecode.bench.scripts import NO_CACHE, script_parser, write_table
+from specdecode.bench.tables import markdown_table
 from specdecode.runners import runner_for
+from specdecode.runners.profiling import cached_forward_ms, rss_bytes
 
-sys.path.insert(0, str(Path(__file__).parent))
-from precision import PROMPTS, TEXT, agreement, perplexity  # noqa: E402
-
-NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # time decoding, not caches
-COPY_PROMPT = (
-    "Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large "
-    "model verifies in one pass, so generation gets faster without changing its output."
-)
+PROMPTS = [*OPEN_PROMPTS, COPY_PROMPTS[0]]  # 3 open-ended, 1 copy-type
 # name: (dtype, quantization, runner)
 PRECISIONS = {
     "float32": ("float32", None, "auto"),
@@ -46,7 +45,7 @@ PRECISIONS = {
 }
 
 
-def weight_bytes(model) -> int:
+def footprint_bytes(model) -> int:
     """Every parameter and buffer's bytes (bitsandbytes' packed codes and their scales included)."""
     return model.get_memory_footprint()
 
@@ -58,31 +57,24 @@ def one(name: str, new_tokens: int, reference: Path | None) -> dict:
     engine = SpeculativeEngine.from_pretrained(
         device="cpu", dtype=dtype, runner=runner, cache=NO_CACHE, quantization=quantization
     )
-    prompts = [engine.encode(p, chat=True) for p in [*PROMPTS, COPY_PROMPT]]
+    prompts = [engine.encode(p, chat=True) for p in PROMPTS]
     engine.generate([prompts[0]], max_new_tokens=4)  # warm-up (bitsandbytes repacks on the first forward)
     after = rss_bytes()
-    target_only, speculative, identical, greedy = [], [], 0, []
-    for ids in prompts:
-        base = engine.generate([ids], max_new_tokens=new_tokens, speculative=False)[0]
-        spec = engine.generate([ids], max_new_tokens=new_tokens)[0]
-        target_only.append(base.stats.tokens_per_second)
-        speculative.append(spec.stats.tokens_per_second)
-        identical += base.token_ids == spec.token_ids
-        greedy.append(base.token_ids)
+    runs = side_by_side(engine, prompts, new_tokens)
     model_runner = engine.target_runner
     result = dict(
         name=name,
         precision=engine.precision,
         runner=type(model_runner).__name__,
-        weight_bytes=weight_bytes(model_runner.model),
+        weight_bytes=footprint_bytes(model_runner.model),
         rss_added=after - before,
         forward_1_ms=cached_forward_ms(model_runner, 1),
         forward_5_ms=cached_forward_ms(model_runner, 5),
-        target_only=statistics.median(target_only),
-        speculative=statistics.median(speculative),
-        identical=f"{identical}/{len(prompts)}",
-        perplexity=perplexity(model_runner, engine.tokenizer(TEXT).input_ids),
-        greedy=greedy,
+        target_only=statistics.median(base.stats.tokens_per_second for base, _ in runs),
+        speculative=statistics.median(spec.stats.tokens_per_second for _, spec in runs),
+        identical=f"{sum(base.token_ids == spec.token_ids for base, spec in runs)}/{len(prompts)}",
+        perplexity=runner_perplexity(model_runner, engine.tokenizer(PERPLEXITY_TEXT).input_ids),
+        greedy=[base.token_ids for base, _ in runs],
     )
     if reference is not None:
         reference_runner = runner_for(
@@ -91,10 +83,21 @@ def one(name: str, new_tokens: int, reference: Path | None) -> dict:
             ).target_runner.model
         )
         float32_greedy = json.loads(reference.read_text())["greedy"]
-        pairs = [agreement(model_runner, reference_runner, ids, g) for ids, g in zip(prompts, float32_greedy)]
+        pairs = [greedy_agreement(model_runner, reference_runner, ids, g) for ids, g in zip(prompts, float32_greedy)]
         result["reproduced"] = statistics.mean(p[0] for p in pairs)
         result["argmax_agreement"] = statistics.mean(p[1] for p in pairs)
     return result
+
+
+def side_by_side(engine: SpeculativeEngine, prompts: list[list[int]], new_tokens: int) -> list[tuple]:
+    """(target-only result, speculative result) per prompt, the two run side by side on each."""
+
+    def decode(speculative: bool):
+        return lambda ids: engine.generate([ids], max_new_tokens=new_tokens, speculative=speculative)[0]
+
+    runs = interleave({False: decode(False), True: decode(True)}, prompts)
+    results = {(r.system, r.item): r.value for r in runs}
+    return [(results[False, i], results[True, i]) for i in range(len(prompts))]
 
 
 def self_draft(new_tokens: int) -> list[str]:
@@ -105,87 +108,91 @@ def self_draft(new_tokens: int) -> list[str]:
         engine = SpeculativeEngine.from_pretrained(
             device="cpu", dtype="float32", drafter="self-quantized", options=options, cache=NO_CACHE
         )
-        prompts = [engine.encode(p, chat=True) for p in [*PROMPTS, COPY_PROMPT]]
+        prompts = [engine.encode(p, chat=True) for p in PROMPTS]
         engine.generate([prompts[0]], max_new_tokens=4)
-        for text, ids in zip([*PROMPTS, COPY_PROMPT], prompts):
-            base = engine.generate([ids], max_new_tokens=new_tokens, speculative=False)[0]
-            spec = engine.generate([ids], max_new_tokens=new_tokens)[0]
+        for text, (base, spec) in zip(PROMPTS, side_by_side(engine, prompts, new_tokens)):
             s = spec.stats
+            k_policy = "adaptive k <= 4" if adaptive else "k = 4 every step"
             rows.append(
-                f"| {quantization}, {'adaptive k <= 4' if adaptive else 'k = 4 every step'} | {text[:40]}... | {base.stats.tokens_per_second:.1f} | {s.tokens_per_second:.1f} | "
-                f"{s.tokens_per_second / base.stats.tokens_per_second:.2f} | {s.acceptance_rate:.0%} "
-                f"({s.accepted_tokens}/{s.drafted_tokens}) | {s.mean_k:.1f} | {s.mean_accepted_length:.2f} | "
-                f"{'yes' if spec.token_ids == base.token_ids else 'NO'} |"
+                f"| {quantization}, {k_policy} | {text[:40]}... | {base.stats.tokens_per_second:.1f} | "
+                f"{s.tokens_per_second:.1f} | {s.tokens_per_second / base.stats.tokens_per_second:.2f} | "
+                f"{s.acceptance_rate:.0%} ({s.accepted_tokens}/{s.drafted_tokens}) | {s.mean_k:.1f} | "
+                f"{s.mean_accepted_length:.2f} | {'yes' if spec.token_ids == base.token_ids else 'NO'} |"
             )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--out", default="benchmarks/results/quantization.md")
+    parser = script_parser(__doc__, max_new_tokens=48)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: measure this precision, print JSON
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # the float32 child's JSON
     parser.add_argument("--self-draft", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         reference = Path(args.reference) if args.reference else None
-        print(json.dumps(one(args.one, args.new_tokens, reference)))
+        print(json.dumps(one(args.one, args.max_new_tokens, reference)))
         return
     if args.self_draft:
-        print(json.dumps(self_draft(args.new_tokens)))
+        print(json.dumps(self_draft(args.max_new_tokens)))
         return
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    reference = out.with_suffix(".float32.json")
-    child = [sys.executable, __file__, "--new-tokens", str(args.new_tokens)]
-    results = []
-    for name in PRECISIONS:
-        extra = [] if name == "float32" else ["--reference", str(reference)]
-        print(f"measuring {name}", file=sys.stderr, flush=True)
-        done = subprocess.run([*child, "--one", name, *extra], capture_output=True, text=True, check=True)
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        if name == "float32":
-            reference.write_text(json.dumps(results[0]))
+    child = [sys.executable, __file__, "--max-new-tokens", str(args.max_new_tokens)]
+    with tempfile.TemporaryDirectory() as folder:
+        reference = Path(folder) / "float32.json"
+        results = []
+        for name in PRECISIONS:
+            extra = [] if name == "float32" else ["--reference", str(reference)]
+            print(f"measuring {name}", file=sys.stderr, flush=True)
+            done = subprocess.run([*child, "--one", name, *extra], capture_output=True, text=True, check=True)
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            if name == "float32":
+                reference.write_text(json.dumps(results[0]))
     print("measuring the self-drafts", file=sys.stderr, flush=True)
     done = subprocess.run([*child, "--self-draft"], capture_output=True, text=True, check=True)
     self_rows = json.loads(done.stdout.strip().splitlines()[-1])
-    reference.unlink()
+    write_table(report(results, self_rows, args.max_new_tokens), args.out)
 
+
+def report(results: list[dict], self_rows: list[str], new_tokens: int) -> str:
     fp32 = results[0]
-    lines = [
-        f"Default model (smollm2-135m-instruct), CPU, {args.new_tokens} new tokens, greedy, {len(PROMPTS) + 1} prompts "
-        "(3 open-ended, 1 copy-type); tokens/s: medians over the prompts. RSS added: after loading and one "
-        "generation, minus before loading, each precision in a process of its own. Forward: one cached forward "
-        "after 200 tokens, median of 7.",
-        "",
-        "| precision | runner | weight MB | x float32 | RSS added MB | x float32 | forward 1 / 5 tokens ms "
-        "| target-only tok/s | speculative tok/s | spec = target-only | perplexity | float32 greedy reproduced "
-        "| argmax agreement |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in results:
-        agree = (f"{r['reproduced']:.0%} | {r['argmax_agreement']:.1%}") if "reproduced" in r else "100% | 100.0%"
-        lines.append(
-            f"| {r['name']} | {r['runner']} | {r['weight_bytes'] / 1e6:.0f} | {r['weight_bytes'] / fp32['weight_bytes']:.2f} "
-            f"| {r['rss_added'] / 1e6:.0f} | {r['rss_added'] / fp32['rss_added']:.2f} "
-            f"| {r['forward_1_ms']:.1f} / {r['forward_5_ms']:.1f} | {r['target_only']:.1f} | {r['speculative']:.1f} "
-            f"| {r['identical']} | {r['perplexity']:.3f} | {agree} |"
+        agree = [f"{r['reproduced']:.0%}", f"{r['argmax_agreement']:.1%}"] if "reproduced" in r else ["100%", "100.0%"]
+        rows.append(
+            [
+                r["name"],
+                r["runner"],
+                f"{r['weight_bytes'] / 1e6:.0f}",
+                f"{r['weight_bytes'] / fp32['weight_bytes']:.2f}",
+            ]
+            + [f"{r['rss_added'] / 1e6:.0f}", f"{r['rss_added'] / fp32['rss_added']:.2f}"]
+            + [
+                f"{r['forward_1_ms']:.1f} / {r['forward_5_ms']:.1f}",
+                f"{r['target_only']:.1f}",
+                f"{r['speculative']:.1f}",
+            ]
+            + [r["identical"], f"{r['perplexity']:.3f}", *agree]
         )
-    lines += [
-        "",
-        "Self-drafts of the float32 target (`--drafter self-quantized --draft-quantization nf4|bfloat16`; adaptive k, "
-        "the default, and k = 4 every step, `--fixed-k`, which shows the acceptance):",
-        "",
-        "| draft | prompt | target-only tok/s | speculative tok/s | speedup | acceptance | mean k | tokens per forward "
-        "| identical |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *self_rows,
-    ]
-    report = "\n".join(lines)
-    print(report)
-    out.write_text(report + "\n")
+    header = ["precision", "runner", "weight MB", "x float32", "RSS added MB", "x float32", "forward 1 / 5 tokens ms"]
+    header += ["target-only tok/s", "speculative tok/s", "spec = target-only", "perplexity"]
+    header += ["float32 greedy reproduced", "argmax agreement"]
+    self_header = ["draft", "prompt", "target-only tok/s", "speculative tok/s", "speedup", "acceptance", "mean k"]
+    self_header += ["tokens per forward", "identical"]
+    return "\n".join(
+        [
+            f"Default model (smollm2-135m-instruct), CPU, {new_tokens} new tokens, greedy, {len(PROMPTS)} prompts "
+            "(3 open-ended, 1 copy-type); tokens/s: medians over the prompts. RSS added: after loading and one "
+            "generation, minus before loading, each precision in a process of its own. Forward: one cached forward "
+            "after 200 tokens, median of 15.",
+            "",
+            markdown_table(header, rows),
+            "",
+            "Self-drafts of the float32 target (`--drafter self-quantized --draft-quantization nf4|bfloat16`; adaptive "
+            "k, the default, and k = 4 every step, `--fixed-k`, which shows the acceptance):",
+            "",
+            markdown_table(self_header, []),
+            *self_rows,
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -7,21 +7,23 @@ tokens after a 200-token prompt, every row's logits wanted (a verification), for
 the kernel also a tree of n nodes (4 children of the root, then chains below them). The
 figure per mode is the best round's.
 
-    .venv/bin/python benchmarks/tree_attention.py [--rounds 3] [--repeats 7] [--dtype bfloat16] [--threads 2]
+    .venv/bin/python benchmarks/tree_attention.py [--rounds 3] [--repeats 7] [--dtype bfloat16] [--threads 2] [--out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from specdecode.bench.profiler import median_seconds
+from specdecode.bench.interleave import best_per_item, interleave
+from specdecode.bench.scripts import script_parser, write_table
+from specdecode.bench.tables import markdown_table
 from specdecode.loading import DEFAULT_TARGET, load_model
 from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.runners.profiling import median_seconds
 
 SIZES = (1, 2, 5, 8, 16, 32)
 PREFIX = 200
+MODES = ("sdpa per query", "kernel", "kernel, tree")
 
 
 def bushy_tree(n: int) -> torch.Tensor:
@@ -48,11 +50,7 @@ def forward_ms(runner: FastLlamaRunner, tokens: torch.Tensor, n: int, repeats: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser = script_parser(__doc__, rounds=3, repeats=7, dtype="bfloat16", threads=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model(DEFAULT_TARGET, "cpu", args.dtype)
@@ -62,20 +60,25 @@ def main() -> None:
         raise SystemExit("the tree attention kernel is not built here (no gcc?)")
     tokens = torch.randint(0, runner.vocab_size, (PREFIX + max(SIZES),), generator=torch.Generator().manual_seed(0))
     runner.forward(tokens[:PREFIX], 1)
-    best: dict[tuple[str, int], float] = {}
-    for _ in range(args.rounds):
-        for n in SIZES:  # the modes side by side for each size: a load that comes and goes hits all three
-            for mode in ("sdpa per query", "kernel", "kernel, tree"):
-                runner._kernel = None if mode == "sdpa per query" else kernel
-                ms = forward_ms(runner, tokens, n, args.repeats, tree=mode == "kernel, tree")
-                best[mode, n] = min(best.get((mode, n), float("inf")), ms)
-    print(f"{DEFAULT_TARGET}, {args.dtype}, {args.threads} threads, after {PREFIX} cached tokens (ms; x 1-token)")
-    print("| new tokens | sdpa per query | kernel | kernel, tree |")
-    print("|---|---|---|---|")
+
+    def mode(name: str):
+        def forward(n: int) -> float:
+            runner._kernel = None if name == "sdpa per query" else kernel
+            return forward_ms(runner, tokens, n, args.repeats, tree=name == "kernel, tree")
+
+        return forward
+
+    # the modes side by side for each size: a load that comes and goes hits all three
+    runs = interleave({name: mode(name) for name in MODES}, SIZES, repeats=args.rounds)
+    fastest = best_per_item(runs, key=lambda run: -run.value)  # the best round: the fewest ms
+    best = {(name, SIZES[item]): run.value for (name, item), run in fastest.items()}
+    rows = []
     for n in SIZES:
-        cells = [f"{best[mode, n]:.1f} ({best[mode, n] / best[mode, 1]:.2f}x)" for mode in ("sdpa per query", "kernel")]
+        cells = [f"{best[m, n]:.1f} ({best[m, n] / best[m, 1]:.2f}x)" for m in ("sdpa per query", "kernel")]
         cells.append(f"{best['kernel, tree', n]:.1f} ({best['kernel, tree', n] / best['kernel', 1]:.2f}x)")
-        print(f"| {n} | " + " | ".join(cells) + " |")
+        rows.append([n, *cells])
+    title = f"{DEFAULT_TARGET}, {args.dtype}, {args.threads} threads, after {PREFIX} cached tokens (ms; x 1-token)"
+    write_table(f"{title}\n{markdown_table(['new tokens', *MODES], rows)}", args.out)
 
 
 if __name__ == "__main__":

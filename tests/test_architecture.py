@@ -14,13 +14,13 @@ import specdecode
 
 PACKAGE = Path(specdecode.__file__).parent
 LAYERS = [
-    ("specdecode.errors", "specdecode.cpu"),
+    ("specdecode.errors", "specdecode.cpu", "specdecode.precision"),
     ("specdecode.core",),
     ("specdecode.runners", "specdecode.loading", "specdecode.cache"),
     ("specdecode.drafters",),
     ("specdecode.decoder",),
     ("specdecode.engine",),
-    ("specdecode.server", "specdecode.bench", "specdecode.cli", "specdecode"),
+    ("specdecode.server", "specdecode.bench", "specdecode.training", "specdecode.cli", "specdecode"),
 ]
 
 
@@ -101,4 +101,6 @@ def test_the_layers_are_read_as_intended():
     assert layer("specdecode.core.verification") == 1
     assert layer("specdecode.runners.fast_llama") == 2
     assert layer("specdecode.server.worker") == 6
+    assert layer("specdecode.training.trainer") == 6
+    assert layer("specdecode.precision") == 0
     assert "specdecode.runners.fast_llama" in graph()["specdecode.runners.select"]

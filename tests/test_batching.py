@@ -62,7 +62,7 @@ def test_greedy_batched_output_equals_transformers_generate(family, drafter, max
     """Sequences join as others finish (5 prompts, 2 slots) and accept ragged numbers of tokens."""
     target = family(seed=1)
     engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=4)
-    results = engine.generate_batched(PROMPTS, max_new_tokens=30, max_batch_size=max_batch_size)
+    results = engine.generate(PROMPTS, max_new_tokens=30, max_batch_size=max_batch_size)
     assert [r.token_ids for r in results] == [hf_greedy(target, p, 30) for p in PROMPTS]
     if drafter is not None:
         assert_drafted_and_accepted(results)  # drafts were verified in batches
@@ -103,8 +103,8 @@ def test_batched_sampling_with_mixed_params_keeps_each_target_distribution():
 def test_seeded_sampling_repeats_whatever_else_is_in_the_batch():
     target = tiny_llama(seed=1)
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
-    alone = engine.generate_batched(PROMPTS[:1], max_new_tokens=20, temperature=1.0, seed=5, max_batch_size=1)
-    crowded = engine.generate_batched(PROMPTS, max_new_tokens=20, temperature=1.0, seed=5, max_batch_size=4)
+    alone = engine.generate(PROMPTS[:1], max_new_tokens=20, temperature=1.0, seed=5, max_batch_size=1)
+    crowded = engine.generate(PROMPTS, max_new_tokens=20, temperature=1.0, seed=5, max_batch_size=4)
     assert crowded[0].token_ids == alone[0].token_ids
 
 
@@ -126,7 +126,7 @@ def test_a_draft_model_drafts_one_sequence_at_a_time_and_stays_exact():
     target = tiny_llama(seed=1)
     engine = SpeculativeEngine(target, drafter=ModelDrafter(HFModelRunner(target)), num_speculative_tokens=3)
     assert not engine.drafts_in_batches
-    results = engine.generate_batched(PROMPTS, max_new_tokens=20, max_batch_size=8)
+    results = engine.generate(PROMPTS, max_new_tokens=20, max_batch_size=8)
     assert [r.token_ids for r in results] == [hf_greedy(target, p, 20) for p in PROMPTS]
     assert_drafted_and_accepted(results)
 
@@ -142,10 +142,10 @@ def test_seeded_sampling_with_an_adaptive_draft_model_ignores_what_ran_before():
         return SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=4, adaptive=True)
 
     seeded = dict(max_new_tokens=16, temperature=1.0, seed=3, max_batch_size=4)
-    fresh = engine().generate_batched(PROMPTS, **seeded)
+    fresh = engine().generate(PROMPTS, **seeded)
     used = engine()
     used.generate(PROMPTS[:2], max_new_tokens=40)  # greedy and unseeded: k adapts to what it measures
-    again = used.generate_batched(PROMPTS, **seeded)
+    again = used.generate(PROMPTS, **seeded)
     assert [r.token_ids for r in again] == [r.token_ids for r in fresh]
     assert all(r.stats.k_policy == "fixed" for r in again)
 
@@ -154,7 +154,7 @@ def test_each_sequence_has_its_own_k_limit():
     """A sequence with k = 0 drafts nothing while its neighbours in the batch draft."""
     target = tiny_llama(seed=1)
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4)
-    settings = [engine.settings(30, 0.0, None, None, None, None, k) for k in (0, 4, 2)]
+    settings = [engine.settings(max_new_tokens=30, num_speculative_tokens=k) for k in (0, 4, 2)]
     sequences = [engine.sequence(PROMPTS[4], s, make_generator(None)) for s in settings]
     engine.decoder.capacity = 3
     decode_all(engine.decoder, sequences)
@@ -175,7 +175,7 @@ def test_a_step_that_fails_changes_nothing_and_its_retry_gives_the_same_output(p
     target.generation_config.eos_token_id = 5  # finishes some sequences mid-batch
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
     kwargs = dict(max_new_tokens=25, temperature=1.0, seed=11, max_batch_size=4)
-    expected = [r.token_ids for r in engine.generate_batched(PROMPTS, **kwargs)]
+    expected = [r.token_ids for r in engine.generate(PROMPTS, **kwargs)]
 
     calls = {"n": 0}
     real_verify, real_forward = decoder_module.verify_logits, decoder_module.Decoder._verify
@@ -186,18 +186,18 @@ def test_a_step_that_fails_changes_nothing_and_its_retry_gives_the_same_output(p
             raise RuntimeError("injected fault after the forward")
         return real_verify(*args)
 
-    def flaky_forward(self, sequences, drafts):
+    def flaky_forward(self, sequences, drafts, *rest):  # rest: what else the forward is asked for
         calls["n"] += 1
         if phase == "before the forward" and calls["n"] % 4 == 2:
             raise RuntimeError("injected fault before the forward")
-        return real_forward(self, sequences, drafts)
+        return real_forward(self, sequences, drafts, *rest)
 
     failures = 0
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decoder_module, "verify_logits", flaky_verify)
         patch.setattr(decoder_module.Decoder, "_verify", flaky_forward)
         fresh = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
-        settings = fresh.settings(25, 1.0, None, None, 11, None)
+        settings = fresh.settings(max_new_tokens=25, temperature=1.0, seed=11)
         sequences = [fresh.sequence(p, settings, make_generator(11 + i)) for i, p in enumerate(PROMPTS)]
         decoder, waiting = fresh.decoder, list(sequences)
         decoder.capacity = 4
@@ -231,7 +231,7 @@ def test_a_long_sequence_gives_its_slot_memory_back_and_the_slot_stays_exact(run
     and the next sequences in that slot are still transformers' greedy output."""
     target = tiny_llama(seed=1, max_positions=512)
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4, runner=runner)
-    long = engine.generate_batched(PROMPTS[:1], max_new_tokens=300, max_batch_size=1)[0]
+    long = engine.generate(PROMPTS[:1], max_new_tokens=300, max_batch_size=1)[0]
     assert len(long.prompt_token_ids) + len(long.token_ids) > SLOT_CAPACITY  # it outgrew the slot
     assert long.token_ids == hf_greedy(target, PROMPTS[0], 300)
     (slot,) = engine.decoder.slots.slots
@@ -239,7 +239,7 @@ def test_a_long_sequence_gives_its_slot_memory_back_and_the_slot_stays_exact(run
         assert slot.cache.capacity == SLOT_CAPACITY and slot.cache.keys[0].shape[1] == SLOT_CAPACITY
     else:
         assert not any(layer.is_initialized for layer in slot._cache.layers)  # no tensors held
-    results = engine.generate_batched(PROMPTS, max_new_tokens=30, max_batch_size=1)
+    results = engine.generate(PROMPTS, max_new_tokens=30, max_batch_size=1)
     assert [r.token_ids for r in results] == [hf_greedy(target, p, 30) for p in PROMPTS]
 
 
@@ -247,7 +247,7 @@ def test_max_model_len_ends_sequences_and_bounds_the_slot_caches():
     target = tiny_llama(seed=1)  # a context of 128
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4, max_model_len=20)
     assert engine.max_model_len == engine.decoder.max_length == 20
-    results = engine.generate_batched(PROMPTS[:2], max_new_tokens=100, max_batch_size=2)
+    results = engine.generate(PROMPTS[:2], max_new_tokens=100, max_batch_size=2)
     for prompt, result in zip(PROMPTS, results):
         assert result.finish_reason == "length" and len(prompt) + len(result.token_ids) == 20
         assert result.token_ids == hf_greedy(target, prompt, 20 - len(prompt))

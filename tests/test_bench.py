@@ -12,12 +12,16 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from helpers import nearby_draft, tiny_llama, tiny_tokenizer
-from specdecode.bench import BenchConfig, run_benchmark, write_outputs
+from specdecode.bench import BenchConfig, overall_table, run_benchmark, write_outputs
 from specdecode.bench.config import QUICK
+from specdecode.bench.costs import ForwardCosts
+from specdecode.bench.interleave import Run, best_per_item, interleave, medians
 from specdecode.bench.measurement import Measurement
 from specdecode.bench.prompts import MT_BENCH_CATEGORIES, default_prompt_file, load_prompts, select_prompts
 from specdecode.bench.quality import compare_greedy, first_difference, target_perplexity
-from specdecode.bench.systems import plan_systems
+from specdecode.bench.scripts import script_parser, write_table
+from specdecode.bench.summary import summarize
+from specdecode.bench.systems import ENGINE, HF, LLAMACPP, SystemSpec, plan_systems
 from specdecode.bench.theory import expected_tokens_per_step, per_token_acceptance, predicted_speedup
 from specdecode.cli import app
 from specdecode.cpu import cpu_flags
@@ -289,11 +293,17 @@ def test_alpha_counts_only_tested_draft_positions():
     assert per_token_acceptance([], []) is None
 
 
-def test_a_differing_output_is_explained_by_the_targets_top_two_logits():
+def tiny_greedy_output():
+    """The tiny target, its tokenizer, a prompt and the target's 6 greedy tokens after it."""
     model, tokenizer = tiny_llama(seed=0), tiny_tokenizer()
     prompt = [3, 4, 5]
     with torch.no_grad():
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 3:].tolist()
+    return model, tokenizer, prompt, expected
+
+
+def test_a_differing_output_is_explained_by_the_targets_top_two_logits():
+    model, tokenizer, prompt, expected = tiny_greedy_output()
     wrong = expected[:2] + [(expected[2] + 1) % 24] + expected[3:]
 
     def measured(system, group, tokens):
@@ -366,3 +376,96 @@ def test_bad_bench_workloads_exit_2_with_one_line(args, says):
     result = CliRunner().invoke(app, ["bench", *args])
     assert result.exit_code == 2 and says in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_interleave_runs_every_system_on_an_item_before_the_next_one():
+    calls = []
+
+    def system(name):
+        return lambda item: calls.append((name, item)) or f"{name}{item}"
+
+    systems = {name: system(name) for name in "abc"}
+    runs = interleave(systems, [1, 2], repeats=2, order="alternate", warm_up=1)
+    assert calls[:3] == [("a", 1), ("b", 1), ("c", 1)]  # the warm-up, untimed
+    assert calls[3:] == [(n, i) for i, names in ((1, "abc"), (2, "abc"), (1, "cba"), (2, "cba")) for n in names]
+    assert [(r.system, r.item, r.repeat, r.order, r.value) for r in runs[6:9]] == [
+        ("c", 0, 1, 0, "c1"),
+        ("b", 0, 1, 1, "b1"),
+        ("a", 0, 1, 2, "a1"),
+    ]
+    assert all(r.seconds >= 0 for r in runs)
+    shuffled = [[r.system for r in interleave(systems, range(6), order="shuffle", seed=s)] for s in (0, 0, 1)]
+    assert shuffled[0] == shuffled[1] != shuffled[2]  # the seed decides the order
+    orders = {tuple(shuffled[0][i : i + 3]) for i in range(0, 18, 3)}
+    assert all(sorted(o) == ["a", "b", "c"] for o in orders) and len(orders) > 1  # each item: all, in new orders
+    with pytest.raises(ValueError, match="order must be one of"):
+        interleave(systems, order="random")
+
+
+def test_medians_and_the_best_run_per_item():
+    runs = [
+        Run("x", item, repeat, 0, value, seconds)
+        for item, repeat, value, seconds in [(0, 0, 5.0, 3.0), (0, 1, 7.0, 1.0), (1, 0, 2.0, 2.0)]
+    ]
+    runs.append(Run("y", 0, 0, 1, 1.0, 9.0))
+    assert medians(runs) == {"x": 2.0, "y": 9.0}
+    assert medians(runs, key=lambda r: r.value) == {"x": 5.0, "y": 1.0}
+    best = best_per_item(runs, key=lambda r: r.value)
+    assert {key: run.value for key, run in best.items()} == {("x", 0): 7.0, ("x", 1): 2.0, ("y", 0): 1.0}
+
+
+def llama_measurements() -> tuple[list[Measurement], list]:
+    """(a), (c), (e) and (f) on two prompts, with llama.cpp's counts for (f): e twice as fast as a."""
+    specs = [SystemSpec(HF), SystemSpec(ENGINE), SystemSpec(LLAMACPP), SystemSpec(LLAMACPP, "prompt-lookup", 2)]
+    seconds = {"a": 1.0, "c": 0.8, "e": 0.5, "f": 0.4}
+    counts = {"generated_tokens": 10, "target_forwards": 4, "drafted_tokens": 12}
+    measurements = [
+        Measurement(
+            s.name, s.group, p, "cat", 0, 0, 3, list(range(10)), seconds[s.group], counts if s.group == "f" else None
+        )
+        for s in specs
+        for p in ("p1", "p2")
+    ]
+    return measurements, specs
+
+
+def test_llama_cpp_systems_get_their_columns_in_the_summary_and_the_report():
+    measurements, specs = llama_measurements()
+    rows = summarize(measurements, specs, ForwardCosts(3), greedy=True)
+    overall = {r.group: r for r in rows if r.category == "all"}
+    assert overall["e"].speedup_vs_e == pytest.approx(1.0)
+    assert overall["a"].speedup_vs_e == pytest.approx(0.5) and overall["f"].speedup_vs_e == pytest.approx(1.25)
+    assert overall["f"].speedup_vs_a == pytest.approx(2.5)
+    assert overall["f"].mean_accepted_length == pytest.approx(10 / 4)  # llama.cpp's tokens per decode call
+    assert overall["e"].mean_accepted_length is None  # one token a forward, said nowhere
+    table = overall_table(rows, greedy=True)
+    assert "| vs (e) |" in table and "| (f) | llama.cpp prompt-lookup k=2 | 25.0 | 2.50x | – | – | 1.25x |" in table
+    without = [r for r in rows if r.group in ("a", "c")]
+    assert "vs (e)" not in overall_table(without, greedy=True)  # no llama.cpp, no column
+
+
+def test_llama_cpp_prompt_lookup_is_held_to_llama_cpp_plain_decoding():
+    model, tokenizer, prompt, expected = tiny_greedy_output()
+    other = expected[:3] + [(expected[3] + 1) % 24] + expected[4:]  # llama.cpp parts from (a) at a near-tie
+
+    def measured(group, tokens):
+        return Measurement(group, group, "p", "cat", 0, 0, len(prompt), tokens, 0.1, None)
+
+    measurements = [measured("a", expected), measured("e", other), measured("f", other), measured("c", expected)]
+    differences = compare_greedy(measurements, {"p": prompt}, model, tokenizer)
+    assert [m.first_difference for m in measurements] == [None, 3, None, None]  # (f) equals its reference (e)
+    assert [d.system for d in differences] == ["e"]
+    lookup_off = measured("f", expected)  # (f) that differs from (e), though it equals (a)
+    compare_greedy([measurements[0], measurements[1], lookup_off], {"p": prompt}, model, tokenizer)
+    assert lookup_off.first_difference == 3
+
+
+def test_a_script_prints_its_table_and_writes_it_below_its_command_and_machine(tmp_path, monkeypatch, capsys):
+    args = script_parser("A script.", max_new_tokens=64, k=4).parse_args(["--max-new-tokens", "5", "-k", "3"])
+    assert (args.max_new_tokens, args.k, args.out) == (5, 3, None)
+    monkeypatch.setattr("sys.argv", ["/x/benchmarks/demo.py", "--max-new-tokens", "5"])
+    write_table("| a |\n|---|", tmp_path / "out" / "demo.md")
+    written = (tmp_path / "out" / "demo.md").read_text()
+    assert written.startswith("    .venv/bin/python benchmarks/demo.py --max-new-tokens 5\n\n")
+    assert "torch threads" in written and written.endswith("| a |\n|---|\n")
+    assert capsys.readouterr().out == "| a |\n|---|\n"

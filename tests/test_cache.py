@@ -138,10 +138,10 @@ def test_repeated_greedy_and_seeded_requests_are_served_from_the_cache_exactly(b
     other_budget = engine.generate(PROMPTS[:1], max_new_tokens=23)[0]
     assert not other_budget.stats.cached  # another budget is another request
     sampled = dict(max_new_tokens=16, temperature=1.0, seed=3)
-    batch = engine.generate_batched(PROMPTS, **sampled)
-    repeat = engine.generate_batched(PROMPTS, **sampled)
+    batch = engine.generate(PROMPTS, **sampled, max_batch_size=8)
+    repeat = engine.generate(PROMPTS, **sampled, max_batch_size=8)
     assert all(r.stats.cached for r in repeat) and [r.token_ids for r in repeat] == [r.token_ids for r in batch]
-    unseeded = engine.generate_batched(PROMPTS, max_new_tokens=16, temperature=1.0)
+    unseeded = engine.generate(PROMPTS, max_new_tokens=16, temperature=1.0, max_batch_size=8)
     assert not any(r.stats.cached for r in unseeded)
 
 
@@ -174,7 +174,7 @@ def test_suffix_drafts_keep_the_target_distribution_when_sampling():
     history = SpeculativeEngine(other).generate([PROMPT] * 200, max_new_tokens=6, seed=0, **params)
     for result in history:
         engine.drafter.store.add(PROMPT + result.token_ids)
-    settings = engine.settings(SKIP + 4, 1.0, None, None, None, None)
+    settings = engine.settings(max_new_tokens=SKIP + 4, temperature=1.0)
     generator = torch.Generator().manual_seed(21)
     sequences = [engine.sequence(PROMPT, settings, generator, fork=False, cacheable=False) for _ in range(2000)]
     decode_all(engine.decoder, sequences)
@@ -242,7 +242,7 @@ def test_a_redis_that_dies_and_returns_costs_no_request(bf16_model, monkeypatch)
 def test_killing_redis_during_a_load_test_loses_and_changes_nothing(bf16_model, monkeypatch):
     """Redis stopped while 8 clients stream 48 requests: every request is answered, each
     exactly as a server without Redis answers it; the backend's errors are counted."""
-    from specdecode.bench.loadtest import run_level
+    from specdecode.server.loadtest import run_level
 
     monkeypatch.setattr(backends_module, "RETRY_S", 0.2)
     prompts = [" ".join(f"w{(i * j) % 19 + 1}" for j in range(3, 9)) for i in range(48)]

@@ -64,17 +64,23 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir):
         (["w1", "--target", "{model}", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
         (["w1", "--target", "{model}", "--max-new-tokens", "-2"], "--max-new-tokens must be at least 1"),
         (["w1", "--target", "{model}", "--temperature", "-1"], "temperature must be >= 0"),
-        (["w1", "--target", "{model}", "--top-p", "0"], "top_p must be in (0, 1]"),
-        (["w1", "--target", "{model}", "--top-p", "1.2"], "top_p must be in (0, 1]"),
-        (["w1", "--target", "{model}", "-k", "-1"], "-k must be >= 0"),
+        (["w1", "--target", "{model}", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["w1", "--target", "{model}", "--top-p", "1.2"], "--top-p must be in (0, 1]"),
+        (["w1", "--target", "{model}", "-k", "-1"], "--num-speculative-tokens (k) must be an integer >= 0"),
         (["w1", "--target", "./does/not/exist"], "is not a model folder or a .gguf file"),
         (["w1", "--target", "{model}", "--drafter", "magic"], "unknown drafter 'magic'"),
         (["w1", "--target", "{model}", "--device", "tpu"], "unknown device 'tpu'"),
         (["w1", "--target", "{model}", "--dtype", "int3"], "unknown dtype 'int3'"),
         ([" ".join(["w3"] * 200), "--target", "{model}"], "shorten the prompt"),
-        (["w1", "--target", "{model}", "--max-model-len", "1000"], "max_model_len must be in [2, 128]"),
+        (["w1", "--target", "{model}", "--max-model-len", "1000"], "--max-model-len must be in [2, 128]"),
         (["w1", "--target", "{model}", "--max-model-len", "1"], "--max-model-len must be at least 2"),
         (["w1", "--target", "{model}", "--quantization", "int4"], "unknown quantization 'int4'"),
+        (["w1", "--target", "{model}", "--drafter", "head"], "drafter 'head' needs a draft head folder"),
+        (["w1", "--target", "{model}", "--drafter", "head", "--draft", "{model}"], "is no draft head folder"),
+        (
+            ["w1", "--target", "{model}", "--drafter", "recycling", "--recycling-width", "0"],
+            "--recycling-width must be an integer >= 1",
+        ),
         (["w1", "--target", "{model}", "--draft-quantization", "nf4"], "applies to the self-quantized drafter only"),
         (
             ["w1", "--target", "{model}", "--drafter", "prompt-lookup", "--draft-quantization", "int8"],
@@ -130,7 +136,7 @@ def test_serve_sizes_the_batch_to_the_kv_cache_budget(tiny_model_dir, monkeypatc
     [
         (["--kv-cache-gb", "1e-9"], "less than one sequence of max_model_len 128 tokens needs (32768 bytes"),
         (["--kv-cache-gb", "0"], "--kv-cache-gb must be positive"),
-        (["--max-model-len", "1000"], "max_model_len must be in [2, 128]"),
+        (["--max-model-len", "1000"], "--max-model-len must be in [2, 128]"),
     ],
 )
 def test_serve_refuses_a_budget_or_length_that_cannot_work(tiny_model_dir, args, message):
@@ -182,3 +188,10 @@ def test_4bit_self_draft_from_the_command_line(bnb_model_dir):
     assert output["stats"]["drafter"] == "self-quantized-nf4" and output["stats"]["target_precision"] == "float32"
     assert output["stats"]["drafted_tokens"] > 0
     assert output["compare"]["identical_output"] is True
+
+
+def test_train_draft_refuses_an_unknown_loss_before_loading_anything(tmp_path):
+    result = runner.invoke(app, ["train-draft", "--output", str(tmp_path / "head"), "--loss", "bogus"])
+    assert result.exit_code == 2
+    assert "unknown loss 'bogus'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "head").exists()

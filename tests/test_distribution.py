@@ -83,7 +83,7 @@ def test_adaptive_self_quantized_drafter_that_stops_when_unsure_keeps_target_dis
     drafter = self_quantized_drafter(target, "bfloat16", min_confidence=0.3)
     engine = SpeculativeEngine(target, drafter=drafter, num_speculative_tokens=3, adaptive=True)
     chosen = adapting_on_acceptance(engine, monkeypatch)
-    settings = engine.settings(SKIP + 4, params["temperature"], None, None, None, None)
+    settings = engine.settings(max_new_tokens=SKIP + 4, temperature=params["temperature"])
     generator = torch.Generator().manual_seed(11)
     sequences = [engine.sequence(PROMPT, settings, generator, fork=False) for _ in range(SAMPLES)]
     decode_all(engine.decoder, sequences)

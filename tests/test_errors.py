@@ -55,10 +55,10 @@ def test_bad_generation_arguments(engine, kwargs, message):
 )
 def test_stop_strings_are_bounded_in_number_and_length(engine, stop):
     with pytest.raises(InvalidArgumentError) as error:
-        engine.settings(16, 0.0, None, None, None, stop)
+        engine.settings(max_new_tokens=16, stop=stop)
     assert error.value.param == "stop"
     # at the bounds they are accepted
-    engine.settings(16, 0.0, None, None, None, ["a", "b", "c", "x" * 1024])
+    engine.settings(max_new_tokens=16, stop=["a", "b", "c", "x" * 1024])
 
 
 def test_prompt_over_the_context_is_its_own_error(engine):

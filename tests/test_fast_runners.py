@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from helpers import GREEDY_PROMPTS as PROMPTS
-from helpers import assert_drafted_and_accepted, hf_greedy, tiny_causal_lm, tiny_gpt2, tiny_llama
+from helpers import assert_drafted_and_accepted, head64_llama, hf_greedy, tiny_causal_lm, tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine
 from specdecode.cpu import cpu_flags
 from specdecode.drafters import PromptLookupDrafter
@@ -386,3 +386,49 @@ def test_from_pretrained_names_the_dtype_auto_chose(tiny_model_dir):
     chosen = str(engine.target_runner.dtype).removeprefix("torch.")
     assert engine.precision == f"{chosen} (--dtype auto)"
     assert SpeculativeEngine.from_pretrained(tiny_model_dir, dtype="float32", drafter="none").precision == "float32"
+
+
+def test_kept_hidden_states_are_transformers_hidden_states():
+    """Layer i < L: the hidden state entering decoder layer i (transformers' hidden_states[i]);
+    L: the last layer's output before the final norm. Every new row, from the same forward:
+    a prefill, a verification, a batch of two."""
+    model = head64_llama(0, torch.float32, num_hidden_layers=3)
+    ids = torch.randint(0, 256, (15,), generator=torch.Generator().manual_seed(0))
+    last = []
+    hook = model.model.layers[-1].register_forward_hook(lambda module, args, out: last.append(out))
+    with torch.no_grad():
+        expected = model(ids[None], output_hidden_states=True).hidden_states
+    hook.remove()
+    output = last[0][0] if isinstance(last[0], tuple) else last[0]  # [1, 15, hidden]
+    wanted = (3, 0, 2)
+    reference = torch.stack([output[0] if i == 3 else expected[i][0] for i in wanted], dim=1)  # [15, 3, hidden]
+    runner = FastLlamaRunner(model)
+    runner.hidden_layers = wanted
+    runner.forward(ids[:10], 1)
+    prefill = runner.hidden
+    runner.forward(ids[10:], 5)
+    kept = torch.cat([prefill, runner.hidden])
+    assert kept.shape == (15, 3, 256) and kept.dtype == torch.float32
+    torch.testing.assert_close(kept, reference, atol=1e-5, rtol=1e-5)
+    caches = [runner.new_cache(), runner.new_cache()]
+    runner.forward_batch(caches, [ids[:7], ids[:12]], [1, 1])
+    assert [h.shape for h in runner.hidden] == [(7, 3, 256), (12, 3, 256)]
+    torch.testing.assert_close(runner.hidden[1], reference[:12], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="each in 0..3"):
+        runner.hidden_layers = (4,)
+
+
+def test_hidden_states_are_not_kept_unless_asked_and_change_no_logits():
+    runner = FastLlamaRunner(head64_llama(0, torch.bfloat16))
+    ids = torch.arange(20, 40)
+    assert runner.hidden_layers == ()
+    plain = runner.forward(ids, 20)
+    assert runner.hidden is None
+    runner.reset()
+    runner.hidden_layers = (1, 2)
+    assert torch.equal(runner.forward(ids, 20), plain)
+    assert runner.hidden.shape == (20, 2, 256)
+    runner.hidden_layers = ()
+    runner.reset()
+    runner.forward(ids, 20)
+    assert runner.hidden is None

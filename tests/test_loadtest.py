@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 from helpers import SERVED_MODEL as MODEL
 from helpers import CrashAt, metric, serving, wait_for
 from specdecode import SpeculativeEngine
-from specdecode.bench.loadtest import run_loadtest, server_metrics, started_server
 from specdecode.cli import app as cli_app
 from specdecode.server import create_app
 from specdecode.server.faults import RandomFaults
+from specdecode.server.loadtest import run_loadtest, server_metrics, started_server
 
 PROMPTS = ["w1 w2 w3", "w4 w5 w4 w5", "w9 w8 w7", "w2 w2 w2 w3", "w10 w11", "w3 w1", "w5 w6 w5", "w7 w7"]
 

@@ -475,6 +475,10 @@ def test_the_gen_ai_histograms_count_each_request_once_beside_the_vllm_ones(engi
     )
     assert total(m, "specdecode:spec_decode_draft_length_sum") == drafted > 0
     assert total(m, "specdecode:spec_decode_num_draft_tokens_per_pos_total") == drafted
+    # the tree series exist from the first scrape; this target verifies no trees, so they stay at 0
+    for name in ("num_tree_steps_total", "num_tree_nodes_total", "tree_accepted_depth_total", "tree_size_count"):
+        assert any(n == f"specdecode:spec_decode_{name}" for n, _ in m), name
+        assert total(m, f"specdecode:spec_decode_{name}") == 0
 
 
 class _SlowForwards(Gate):

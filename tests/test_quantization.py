@@ -22,7 +22,7 @@ from helpers import (
     tiny_llama,
     tiny_tokenizer,
 )
-from specdecode import SpeculativeEngine, loading
+from specdecode import SpeculativeEngine, loading, precision
 from specdecode.drafters import ModelDrafter, self_quantized_drafter
 from specdecode.drafters.factory import DrafterOptions, check_drafter_options
 from specdecode.drafters.self_quantized import quantized_copy
@@ -314,3 +314,43 @@ def test_4bit_keeps_down_projections_in_float_on_row_independent_products(tmp_pa
     monkeypatch.setattr(loading, "FOUR_BIT_KEEPS", ("lm_head",))
     every = quantized(original, "nf4", tmp_path / "every")
     assert isinstance(every.model.layers[0].mlp.down_proj, bnb.nn.Linear4bit)
+
+
+# --- precision.py: one name per precision, older spellings accepted ---
+
+
+def test_each_spelling_names_one_precision_for_its_option():
+    assert precision.quantization_named("int8", precision.TARGET).name == "llm-int8"  # as before: LLM.int8
+    assert precision.quantization_named("llm-int8", precision.TARGET).bitsandbytes
+    assert precision.quantization_named("int8", precision.PROFILE).name == "int8-weight-only"
+    assert precision.quantization_named("int8", precision.DRAFT).name == "int8-weight-only"
+    assert precision.quantization_named("w8a8", precision.TARGET).runner == "fast"
+    assert precision.quantization_named(None) is None
+    with pytest.raises(
+        ValueError, match="unknown quantization 'w8a8'; choose one of: nf4, fp4, int8-weight-only"
+    ) as error:
+        precision.quantization_named("w8a8", precision.DRAFT)
+    assert error.value.param == "draft_quantization"
+    assert precision.dtype_named("bf16").dtype == torch.bfloat16 and precision.dtype_named("auto") is None
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        precision.dtype_named("int8")  # 8 bits are a quantization, not a dtype
+    assert (
+        "llm-int8" in loading.QUANTIZATIONS and "int8" in loading.QUANTIZATIONS and "w8a8" not in loading.QUANTIZATIONS
+    )
+
+
+def test_dtype_auto_never_quantizes_and_keeps_its_choice_for_what_stays_in_float():
+    cpu = torch.device("cpu")
+    native = dict(fast_path=True, native_bfloat16=True)
+    assert precision.resolve_dtype("auto", cpu, **native) == torch.bfloat16
+    assert precision.resolve_dtype("auto", cpu, quantization="w8a8", **native) == torch.bfloat16
+    assert precision.resolve_dtype("auto", cpu, quantization="llm-int8", **native) == torch.float32
+    assert precision.resolve_dtype("auto", cpu, quantization="int8", **native) == torch.float32  # the older spelling
+    assert precision.resolve_dtype("auto", cpu, fast_path=True, native_bfloat16=False) == torch.float32
+    assert precision.resolve_dtype("auto", cpu) == loading.resolve_dtype("auto", cpu) == torch.float32
+    assert precision.resolve_dtype("fp32", cpu, **native) == torch.float32
+
+
+def test_w8a8_is_not_a_bitsandbytes_config():
+    with pytest.raises(ValueError, match="w8a8 is quantized by the fast runner"):
+        loading.bnb_config("w8a8", torch.device("cpu"))

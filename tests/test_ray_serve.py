@@ -17,8 +17,8 @@ from prometheus_client import generate_latest
 
 from helpers import free_port, healthy, serving, wait_for
 from specdecode import CacheOptions, SpeculativeEngine
-from specdecode.bench.loadtest import run_level
 from specdecode.server import create_app
+from specdecode.server.loadtest import run_level
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.xdist_group("ray")  # one worker holds the one test cluster
@@ -188,14 +188,14 @@ def test_one_scrape_holds_every_replicas_samples_by_label():
 def test_autoscaling_options_reach_ray_serve(monkeypatch):
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         monkeypatch.delenv(name)  # they would reach the replicas' options too (tests/test_ray_tracing_env.py)
+    from specdecode.server.config import ServerConfig
     from specdecode.server.ray_serve import Scaling
-    from specdecode.server.spec import ServerSpec
 
-    spec = ServerSpec("m", max_batch_size=8, max_waiting=16)
-    fixed = Scaling(replicas=3, replica_cpus=2).deployment_options(spec)
+    config = ServerConfig("m", max_batch_size=8, max_waiting=16)
+    fixed = Scaling(replicas=3, replica_cpus=2).deployment_options(config)
     assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 2}
     assert fixed["max_ongoing_requests"] == 24 and "autoscaling_config" not in fixed
-    scaled = Scaling(2, 1, min_replicas=1, max_replicas=4, target_ongoing_requests=6).deployment_options(spec)
+    scaled = Scaling(2, 1, min_replicas=1, max_replicas=4, target_ongoing_requests=6).deployment_options(config)
     assert scaled["autoscaling_config"] == dict(
         min_replicas=1, max_replicas=4, initial_replicas=2, target_ongoing_requests=6
     )

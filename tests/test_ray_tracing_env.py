@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("ray")
 
+from specdecode.server.config import ServerConfig  # noqa: E402
 from specdecode.server.ray_serve import Scaling  # noqa: E402 - only where Ray is installed
-from specdecode.server.spec import ServerSpec  # noqa: E402
 
-SPEC = ServerSpec(target="tiny")
+CONFIG = ServerConfig(target="tiny")
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_the_otel_variables_of_the_command_travel_to_every_replica(no_otel):
     no_otel.setenv("OTEL_SERVICE_NAME", "specdecode-ray")
     no_otel.setenv("NOT_OTEL_SECRET", "stays here")
     for scaling in (Scaling(replicas=2, replica_cpus=1.5), Scaling(min_replicas=1, max_replicas=4)):
-        actor = scaling.deployment_options(SPEC)["ray_actor_options"]
+        actor = scaling.deployment_options(CONFIG)["ray_actor_options"]
         assert actor["runtime_env"] == {
             "env_vars": {
                 "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
@@ -43,5 +43,5 @@ def test_the_otel_variables_of_the_command_travel_to_every_replica(no_otel):
 
 def test_without_otel_variables_the_replicas_get_no_runtime_env(no_otel):
     no_otel.setenv("NOT_OTEL_SECRET", "stays here")
-    actor = Scaling(replicas=2).deployment_options(SPEC)["ray_actor_options"]
+    actor = Scaling(replicas=2).deployment_options(CONFIG)["ray_actor_options"]
     assert actor == {"num_cpus": 1.0}  # no runtime_env: replicas start as before

@@ -56,7 +56,7 @@ def decode(engine: SpeculativeEngine, prompt: list[int], lose_cache_at: tuple[in
     """One sequence decoded step by step; before the steps numbered in lose_cache_at, every cache
     is forgotten, as after a crash of the server's engine worker (EngineWorker._recover)."""
     params = dict(temperature=0.0, seed=None) | sampling
-    settings = engine.settings(NEW_TOKENS, params["temperature"], None, None, params["seed"], None)
+    settings = engine.settings(max_new_tokens=NEW_TOKENS, temperature=params["temperature"], seed=params["seed"])
     seq = engine.sequence(prompt, settings, make_generator(params["seed"]), seed=params["seed"])
     decoder = engine.decoder
     decoder.add(seq)

@@ -128,7 +128,7 @@ def decode_with_retries(
     runner_lengths: the target runner's cache length after each failure. The first step from
     number fail_after_forward on whose forward runs fails after it (the server's injection point)."""
     decoder, steps, failed = engine.decoder, 0, []
-    seq = engine.sequence(prompt, engine.settings(NEW_TOKENS, 0.0, None, None, None, None), make_generator(0))
+    seq = engine.sequence(prompt, engine.settings(max_new_tokens=NEW_TOKENS), make_generator(0))
 
     def after_forward() -> None:
         if steps >= fail_after_forward and not failed:

@@ -77,7 +77,7 @@ def test_the_engine_bounds_k_at_load_and_per_call(tiny_model_dir):
         engine.generate("w1 w2", max_new_tokens=4, num_speculative_tokens=3)
     assert error.value.param == "num_speculative_tokens"
     with pytest.raises(InvalidArgumentError, match="at most 2 "):
-        engine.generate_batched(["w1 w2"], max_new_tokens=4, num_speculative_tokens=10**13)
+        engine.generate(["w1 w2"], max_new_tokens=4, num_speculative_tokens=10**13, max_batch_size=8)
     assert engine.generate("w1 w2", max_new_tokens=4, num_speculative_tokens=1)[0].stats.num_speculative_tokens == 1
 
 
@@ -146,8 +146,8 @@ class FailsAdmitting:
 
     def __init__(self, engine, stage: str, monkeypatch):
         self.engine, self.hits = engine, 0
-        target = {"sequence": engine, "cache lookup": engine, "decoder.add": engine.decoder}[stage]
-        name = {"sequence": "sequence", "cache lookup": "cached_result", "decoder.add": "add"}[stage]
+        target = {"sequence": engine, "cache lookup": engine.caches, "decoder.add": engine.decoder}[stage]
+        name = {"sequence": "sequence", "cache lookup": "answer", "decoder.add": "add"}[stage]
         original = getattr(target, name)
 
         def failing(seq_or_ids, *args, **kwargs):

@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import helpers
 from helpers import (
     ALPHA,
     DIST_VOCAB,
@@ -29,9 +30,9 @@ from helpers import (
     g_test_pvalue,
     head64_llama,
     hf_greedy,
+    nearby_draft,
     reference_probs,
     sample_counts,
-    target_and_draft,
     tiny_llama,
 )
 from specdecode import SpeculativeEngine
@@ -570,7 +571,7 @@ def test_a_tree_step_that_fails_changes_nothing_and_its_retry_gives_the_same_out
             raise RuntimeError("injected fault after the forward")
 
     decoder.slots.keep = flaky_keep
-    settings = engine.settings(30, 1.0, None, None, 4, None)
+    settings = engine.settings(max_new_tokens=30, temperature=1.0, seed=4)
     from specdecode.engine import make_generator
 
     sequences = [engine.sequence(p, settings, make_generator(4 + i)) for i, p in enumerate(TABLE_PROMPTS)]
@@ -672,19 +673,68 @@ def test_greedy_tree_decoding_equals_transformers_generate_on_a_tiny_llama(runne
         assert [r.token_ids for r in batched] == [expected[tuple(p)] for p in GREEDY_PROMPTS]
 
 
+# a weight scale at which the head-dim-64 Llama's next-token law spreads over the vocabulary (its
+# most likely pair of tokens well under a tenth), so that the G-test has cells to compare
+SPREAD_INIT = 0.05
+
+
 def test_sampled_tree_decoding_on_the_fast_runner_keeps_the_targets_law():
-    """A tiny Llama on the fast runner's tree forward, random trees (a function of the context):
-    new tokens 2-3 against the exact law (helpers.exact_joint); the other model's is rejected."""
+    """A head-dim-64 Llama on the fast runner's tree forward, k pinned, trees of a nearby
+    model's guesses (its head perturbed) that the target often accepts two deep: new tokens 2-3
+    against the exact law (helpers.exact_joint); the nearby model's law is rejected (negative
+    control), so the test tells two close laws apart."""
     params = dict(temperature=1.0, top_k=8)
-    target, other = target_and_draft(tiny_llama)
-    runner = fast_tree_runner(target)
-    drafter = TreeDrafter(oracle_trees(lambda context: [], DIST_VOCAB, seed=9))
-    engine = SpeculativeEngine(runner, drafter=drafter, num_speculative_tokens=6)
+    target = fast_llama(seed=1, vocab_size=DIST_VOCAB, init=SPREAD_INIT)
+    other = nearby_draft(target, noise=0.5)
+    exact, wrong = exact_joint(target, params), exact_joint(other, params)
+    assert exact.max() < 0.1  # spread out: many cells of the G-test expect 5 or more samples
+    drafter = TreeDrafter(first_step_trees(other, branching=3, seed=9))
+    engine = SpeculativeEngine(fast_tree_runner(target), drafter=drafter, num_speculative_tokens=6)
     keeps = spy_keeps(engine)
+    depths = spy_depths(engine)
     counts = sample_counts(engine, 6, params, seed=17)
-    assert g_test_pvalue(counts, exact_joint(target, params)) > ALPHA
-    assert g_test_pvalue(counts, exact_joint(other, params)) < ALPHA
+    assert g_test_pvalue(counts, exact) > ALPHA
+    assert g_test_pvalue(counts, wrong) < ALPHA
     assert keeps and any(not d.is_chain for d in drafter.records["proposed"])
+    # the tested tokens came from trees' deeper rows too: paths of two nodes were accepted often
+    assert sum(depth >= 2 for depth in depths) > 0.05 * helpers.SAMPLES
+
+
+def spy_depths(engine) -> list[int]:
+    """Record the accepted depth of every tree step the decoder verifies."""
+    depths: list[int] = []
+    decide = engine.decoder._decide
+
+    def spy(seq, draft, logits):
+        decision = decide(seq, draft, logits)
+        if decision is not None and not draft.is_chain:
+            depths.append(decision.verdict.num_accepted)
+        return decision
+
+    engine.decoder._decide = spy
+    return depths
+
+
+def first_step_trees(model, branching: int, seed: int):
+    """Trees (a function of the context) of a model's guesses at the first speculative step,
+    the one whose accepted path decides the tested tokens: after PROMPT and any first token,
+    the model's `branching` likeliest tokens, each followed by its likeliest token after that
+    (2 * branching nodes); random trees at the later steps (oracle_trees), which cost nothing."""
+    contexts = torch.tensor([helpers.PROMPT + [t] for t in range(DIST_VOCAB)])  # [vocab, len + 1]
+    with torch.no_grad():
+        first = model(contexts).logits[:, -1].topk(branching).indices  # [vocab, branching]
+        paths = torch.cat([contexts.repeat_interleave(branching, 0), first.reshape(-1, 1)], dim=1)
+        second = model(paths).logits[:, -1].argmax(-1).view(DIST_VOCAB, branching)  # [vocab, branching]
+    parents = [-1] * branching + list(range(branching))
+    made = {tuple(c): first[i].tolist() + second[i].tolist() for i, c in enumerate(contexts.tolist())}
+    later = oracle_trees(lambda context: [], DIST_VOCAB, seed=seed)
+
+    def trees(context: tuple, k: int):
+        if context in made:
+            return made[context][:k], parents[:k]
+        return later(context, k)
+
+    return trees
 
 
 # --- stats ---
@@ -732,3 +782,38 @@ def test_the_decoder_chooses_tree_sizes_for_drafters_of_trees_it_can_verify(monk
     chains = table_engine(table, TreeDrafter(oracle_trees(table_truth(table), 12)), 8, ChainTableRunner, True)
     chains.generate(TABLE_PROMPTS[:1], max_new_tokens=10)
     assert type(chains.decoder.policies["trees"]) is AdaptiveK
+
+
+# --- the server's tree metrics ---
+
+
+def test_the_servers_tree_metrics_count_tree_steps_nodes_depth_and_sizes():
+    """A finished request's tree steps reach /metrics: steps, nodes, accepted depth, the
+    size histogram, with help text; a chain-only request adds nothing to them."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specdecode.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    trees = GenerationStats("recycling", 16)
+    trees.record_step(5, 2, depths=[1, 1, 2, 2, 3])
+    trees.record_step(16, 3, depths=[1] * 4 + [2] * 6 + [3] * 6)
+    trees.record_step(3, 1)  # a chain step counts in none of them
+    chains = GenerationStats("prompt-lookup", 4)
+    chains.record_step(4, 4)
+    for stats in (trees, chains):
+        metrics.observe_finished("chat", stats, 10, 20)
+
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    value = {s.name: s.value for f in families.values() for s in f.samples if not s.labels or "le" in s.labels}
+    assert value["specdecode:spec_decode_num_tree_steps_total"] == 2
+    assert value["specdecode:spec_decode_num_tree_nodes_total"] == 21
+    assert value["specdecode:spec_decode_tree_accepted_depth_total"] == 5
+    assert value["specdecode:spec_decode_tree_size_count"] == 2 and value["specdecode:spec_decode_tree_size_sum"] == 21
+    buckets = {
+        s.labels["le"]: s.value for s in families["specdecode:spec_decode_tree_size"].samples if "le" in s.labels
+    }
+    assert (buckets["4.0"], buckets["8.0"], buckets["16.0"]) == (0, 1, 2)
+    for name in ("num_tree_steps", "num_tree_nodes", "tree_accepted_depth", "tree_size"):
+        assert families[f"specdecode:spec_decode_{name}"].documentation

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,9 +12,17 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from specdecode.core.sampling import SamplingParams
+from specdecode import precision
+from specdecode.cache.engine_caches import CacheOptions
+from specdecode.core.checks import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    check_prompt_text,
+    check_request,
+)
+from specdecode.drafters.factory import DrafterOptions
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.loading import DEFAULT_TARGET
+from specdecode.server.config import ServerConfig
 
 app = typer.Typer(
     add_completion=False,
@@ -22,18 +31,27 @@ app = typer.Typer(
     help="Exact speculative decoding for Hugging Face causal language models.",
 )
 stderr = Console(stderr=True)
+SERVER = ServerConfig()  # `serve`'s defaults
+CACHE = CacheOptions()  # the caches' defaults
 
 # options that several commands share
 TargetOption = Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")]
-DraftOption = Annotated[Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer).")]
+DraftOption = Annotated[
+    Optional[str], typer.Option(help="Draft model (its own tokenizer: cross-tokenizer), or a draft head's folder.")
+]
 DrafterOption = Annotated[
     str,
     typer.Option(
         help="auto, model, prompt-lookup, recycling (the target's own past predictions), suffix, self-quantized, "
-        "cross-tokenizer or none."
+        "cross-tokenizer, head (a draft head from train-draft: --draft DIR) or none."
     ),
 ]
-KOption = Annotated[int, typer.Option("-k", "--num-speculative-tokens", help="Most tokens drafted per step.")]
+KOption = Annotated[
+    int, typer.Option("-k", "--num-speculative-tokens", help="k: the most tokens drafted per step (0: target-only).")
+]
+AdaptiveOption = Annotated[
+    bool, typer.Option("--adaptive/--fixed-k", help="Choose k per step from measured acceptance and costs.")
+]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
 DtypeOption = Annotated[
     str,
@@ -51,12 +69,15 @@ CompileOption = Annotated[
     bool,
     typer.Option(
         help="Run the target compiled by torch.compile (Llama-family fast runner; each forward size "
-        "compiles on first use, about a minute for the default model on 2 CPU cores)."
+        "compiles on first use, which is slow)."
     ),
 ]
 QuantizationOption = Annotated[
     Optional[str],
-    typer.Option(help="Quantize the target with bitsandbytes: nf4, fp4 or int8 \\[default: none]."),
+    typer.Option(
+        help="Quantize the target: nf4, fp4, llm-int8 (older: int8; bitsandbytes, transformers runner) or w8a8 "
+        "(int8 weights and activations, Llama-family fast runner) \\[default: none]."
+    ),
 ]
 CacheUrlOption = Annotated[
     Optional[str],
@@ -95,13 +116,24 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except SpecDecodeError as error:
-        stderr.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        stderr.print(f"[bold red]error:[/] {_as_flags(error)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+
+
+def _as_flags(error: SpecDecodeError) -> str:
+    """The message of a rule on an argument ("max_new_tokens must ...") with the argument spelled
+    as an option (--max-new-tokens): the checks word each rule once, in Python's names
+    (core/checks.py), and each interface names the argument as its users write it (the
+    server: server/errors.py, API_NAMES)."""
+    message, param = str(error), error.param
+    if param and re.match(rf"{re.escape(param)}( \(\w+\))? must ", message):  # "top_p must ...", "num_... (k) must ..."
+        return "--" + param.replace("_", "-") + message[len(param) :]
+    return message
 
 
 def _cache_secret(path: str | None) -> str | None:
     """The key in --cache-secret-file (its first line), read here so that it is never on a command
-    line; else $SPECDECODE_CACHE_SECRET's, resolved here so that Ray replicas get it with the spec."""
+    line; else $SPECDECODE_CACHE_SECRET's, resolved here so that Ray replicas get it with the config."""
     if path is None:
         import os
 
@@ -130,10 +162,8 @@ def generate(
     target: TargetOption = DEFAULT_TARGET,
     draft: DraftOption = None,
     drafter: DrafterOption = "auto",
-    k: KOption = 4,
-    adaptive: Annotated[
-        bool, typer.Option("--adaptive/--fixed-k", help="Choose k per step from measured acceptance and costs.")
-    ] = True,
+    k: KOption = DEFAULT_SPECULATIVE_TOKENS,
+    adaptive: AdaptiveOption = True,
     ngram: Annotated[tuple[int, int], typer.Option(help="Prompt lookup: shortest and longest n-gram.")] = (1, 3),
     max_continuation: Annotated[Optional[int], typer.Option(help="Prompt lookup: most tokens copied per step.")] = None,
     lookup_history: Annotated[bool, typer.Option(help="Prompt lookup also searches earlier requests.")] = False,
@@ -146,6 +176,9 @@ def generate(
     min_confidence: Annotated[
         float, typer.Option(help="Model drafters stop after a token they give less probability.")
     ] = 0.0,
+    recycling_width: Annotated[
+        int, typer.Option(help="recycling drafter: the target's candidates kept per token (the table's width).")
+    ] = DrafterOptions().recycling_width,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     max_model_len: MaxModelLenOption = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
@@ -164,30 +197,39 @@ def generate(
     compare: Annotated[
         bool, typer.Option(help="Also run target-only decoding and print the speedup (caches off: it times decoding).")
     ] = False,
-    cache_url: CacheUrlOption = None,
-    response_cache: ResponseCacheOption = True,
-    draft_store: DraftStoreOption = True,
-    cache_max_mb: CacheMaxMbOption = 256,
+    cache_url: CacheUrlOption = CACHE.url,
+    response_cache: ResponseCacheOption = CACHE.response_cache,
+    draft_store: DraftStoreOption = CACHE.draft_store,
+    cache_max_mb: CacheMaxMbOption = CACHE.max_mb,
     cache_secret_file: CacheSecretFileOption = None,
 ) -> None:
     """Generate text with speculative decoding and print it with its stats."""
-    from specdecode.engine import CacheOptions, DrafterOptions, SpeculativeEngine
+    from specdecode.engine import SpeculativeEngine
 
     with user_errors():
-        _check_arguments(prompt, k, max_new_tokens, SamplingParams(temperature, top_k, top_p))
-        _check_max_model_len(max_model_len)
+        # what needs no model, before the load (from_pretrained checks k and max_model_len first too)
+        check_prompt_text(prompt)
+        check_request(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop
+        )
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
             drafter_options = DrafterOptions(
-                adaptive, *ngram, max_continuation, lookup_history, draft_quantization, min_confidence
+                adaptive,
+                *ngram,
+                max_continuation,
+                lookup_history,
+                draft_quantization,
+                min_confidence,
+                recycling_width=recycling_width,
             )
             engine = SpeculativeEngine.from_pretrained(
                 target,
-                draft,
-                drafter,
-                k,
-                device,
-                dtype,
-                trust_remote_code,
+                draft=draft,
+                drafter=drafter,
+                num_speculative_tokens=k,
+                device=device,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
                 options=drafter_options,
                 max_model_len=max_model_len,
                 # --compare decodes one prompt again and again: caches would time themselves
@@ -340,7 +382,7 @@ def _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, s
 
     from specdecode.bench.progress import bench_progress
     from specdecode.bench.repeat import request_count, run_repeat_workload
-    from specdecode.engine import CacheOptions, SpeculativeEngine
+    from specdecode.engine import SpeculativeEngine
 
     with user_errors():
         given = [f"--{name.replace('_', '-')}" for name, value in options.items() if value]
@@ -367,31 +409,6 @@ def _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, s
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table + "\n")
     print(f"wrote {out}")
-
-
-def _check_arguments(prompt: str, k: int, max_new_tokens: int, params: SamplingParams) -> None:
-    """Checks that need no model, so mistakes are reported before a slow load."""
-    if not prompt.strip():
-        raise InvalidArgumentError("the prompt is empty; give some text to continue")
-    _check_k(k)
-    if max_new_tokens < 1:
-        raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-
-
-def _check_k(k: int) -> None:
-    """-k within the engine's bound, before a slow load (the engine checks it again)."""
-    from specdecode.core.adaptive import MAX_SPECULATIVE_TOKENS
-
-    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise InvalidArgumentError(
-            f"-k must be >= 0 (0 = target-only decoding) and at most {MAX_SPECULATIVE_TOKENS}, got {k}"
-        )
-
-
-def _check_max_model_len(max_model_len: int | None) -> None:
-    """Before the load; that it is within the model's context is checked once it is loaded."""
-    if max_model_len is not None and max_model_len < 2:
-        raise InvalidArgumentError(f"--max-model-len must be at least 2, got {max_model_len}")
 
 
 COMPARE_ROUNDS = 3
@@ -430,26 +447,28 @@ def profile(
     ] = "both",
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
-    quantize: Annotated[Optional[str], typer.Option(help="int8: weight-only int8 layers (fast runner).")] = None,
+    quantize: Annotated[
+        Optional[str],
+        typer.Option(help="int8-weight-only (older: int8) or w8a8: the fast runner's products in 8 bits."),
+    ] = None,
     compile: Annotated[
         bool,
-        typer.Option(help="Also time the fast runner compiled by torch.compile, 1 and 5 tokens (a minute each)."),
+        typer.Option(help="Also time the fast runner compiled by torch.compile, 1 and 5 tokens (slow: each compiles)."),
     ] = False,
     prefix: Annotated[int, typer.Option(help="Cached tokens before the timed forward.")] = 200,
     repeats: Annotated[int, typer.Option(help="Timed forwards per size (the median is shown).")] = 7,
 ) -> None:
     """Time cached forwards over 1-32 new tokens beside the memory-bandwidth and compute floors."""
-    from specdecode.bench.profiler import measure_hardware, profile_forward, render_table
     from specdecode.loading import load_model
     from specdecode.runners import runner_for
+    from specdecode.runners.profiling import measure_hardware, profile_forward, render_table
     from specdecode.runners.select import chosen_dtype
 
     console = Console()
     with user_errors():
         if prefix < 1 or repeats < 1:
             raise InvalidArgumentError("--prefix and --repeats must be at least 1")
-        if quantize not in (None, "int8"):
-            raise InvalidArgumentError(f"unknown --quantize '{quantize}'; the choice is int8")
+        quantize = precision.quantization_named(quantize, precision.PROFILE).name if quantize else None
         if compile and runner == "transformers":
             raise InvalidArgumentError("--compile times the fast runner compiled; use --runner both or fast")
         runners = ["fast", "transformers"] if runner == "both" else [runner]
@@ -486,28 +505,30 @@ def _fast_supported(model) -> bool:
 
 @app.command()
 def serve(
-    target: TargetOption = DEFAULT_TARGET,
-    draft: DraftOption = None,
-    drafter: DrafterOption = "auto",
-    k: KOption = 4,
-    adaptive: Annotated[
-        bool, typer.Option("--adaptive/--fixed-k", help="Choose k per step from measured acceptance and costs.")
-    ] = True,
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    target: TargetOption = SERVER.target,
+    draft: DraftOption = SERVER.draft,
+    drafter: DrafterOption = SERVER.drafter,
+    k: KOption = SERVER.num_speculative_tokens,
+    adaptive: AdaptiveOption = SERVER.adaptive,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = SERVER.host,
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = SERVER.port,
     api_key: Annotated[
         Optional[str],
         typer.Option(
             envvar="SPECDECODE_API_KEY",
             help="Require 'Authorization: Bearer KEY' on every route but /health (/docs and /redoc are off).",
         ),
-    ] = None,
+    ] = SERVER.api_key,
     metrics_without_key: Annotated[
         bool, typer.Option("--metrics-without-key", help="With --api-key: serve /metrics without the key too.")
-    ] = False,
-    max_waiting: Annotated[int, typer.Option(help="Queued requests beyond the running batch before 429.")] = 64,
-    max_batch_size: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 16,
-    max_model_len: MaxModelLenOption = None,
+    ] = SERVER.metrics_without_key,
+    max_waiting: Annotated[
+        int, typer.Option(help="Queued requests beyond the running batch before 429.")
+    ] = SERVER.max_waiting,
+    max_batch_size: Annotated[
+        int, typer.Option(help="Requests decoded together (continuous batching).")
+    ] = SERVER.max_batch_size,
+    max_model_len: MaxModelLenOption = SERVER.max_model_len,
     kv_cache_gb: Annotated[
         Optional[float],
         typer.Option(
@@ -515,19 +536,21 @@ def serve(
             "batch size is lowered to what fits (and logged); the server does not start if one sequence "
             "does not fit \\[default: no budget]."
         ),
-    ] = None,
-    max_request_seconds: Annotated[float, typer.Option(help="A request running longer fails with 504.")] = 600.0,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    quantization: QuantizationOption = None,
+    ] = SERVER.kv_cache_gb,
+    max_request_seconds: Annotated[
+        float, typer.Option(help="A request running longer fails with 504.")
+    ] = SERVER.max_request_seconds,
+    device: DeviceOption = SERVER.device,
+    dtype: DtypeOption = SERVER.dtype,
+    quantization: QuantizationOption = SERVER.quantization,
     inject_faults: Annotated[
         Optional[str],
         typer.Option(hidden=True, help="Testing: 'TRANSIENT,CRASH[,DELAY_S]' step failure probabilities, step delay."),
     ] = None,
-    cache_url: CacheUrlOption = None,
-    response_cache: ResponseCacheOption = True,
-    draft_store: DraftStoreOption = True,
-    cache_max_mb: CacheMaxMbOption = 256,
+    cache_url: CacheUrlOption = SERVER.cache.url,
+    response_cache: ResponseCacheOption = SERVER.cache.response_cache,
+    draft_store: DraftStoreOption = SERVER.cache.draft_store,
+    cache_max_mb: CacheMaxMbOption = SERVER.cache.max_mb,
     cache_secret_file: CacheSecretFileOption = None,
     otel_console: Annotated[
         bool,
@@ -535,7 +558,7 @@ def serve(
             "--otel-console",
             help="Print OpenTelemetry spans to the console (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT).",
         ),
-    ] = False,
+    ] = SERVER.otel_console,
     ray: RayOption = False,
     ray_address: RayAddressOption = None,
     replicas: ReplicasOption = 1,
@@ -551,50 +574,69 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    from specdecode.engine import CacheOptions
     from specdecode.server import run_server
-    from specdecode.server.spec import ServerSpec
+    from specdecode.server.app import app_from_config
 
     with user_errors():
-        if not 0 < port < 65536:
-            raise InvalidArgumentError(f"--port must be in [1, 65535], got {port}")
-        for name, value in (("--max-waiting", max_waiting), ("--max-batch-size", max_batch_size)):
-            if value < 1:
-                raise InvalidArgumentError(f"{name} must be at least 1, got {value}")
-        if max_request_seconds <= 0:
-            raise InvalidArgumentError(f"--max-request-seconds must be positive, got {max_request_seconds}")
-        if kv_cache_gb is not None and not kv_cache_gb > 0:
-            raise InvalidArgumentError(f"--kv-cache-gb must be positive, got {kv_cache_gb}")
-        _check_k(k)
-        _check_max_model_len(max_model_len)
         # a Redis that does not answer yet is not fatal here: the server starts on its own cache
         cache = CacheOptions(
             cache_url, response_cache, draft_store, cache_max_mb, secret=_cache_secret(cache_secret_file)
         )
-        spec = ServerSpec(
-            target, draft, drafter, k, device, dtype, max_model_len, quantization, cache, api_key, max_waiting,
-            max_batch_size, max_request_seconds, kv_cache_gb, otel_console, metrics_without_key=metrics_without_key,
-            adaptive=adaptive,
-        )  # fmt: skip
+        config = _server_config(
+            target,
+            draft,
+            drafter,
+            k,
+            adaptive,
+            device,
+            dtype,
+            max_model_len=max_model_len,
+            quantization=quantization,
+            cache=cache,
+            host=host,
+            port=port,
+            api_key=api_key,
+            metrics_without_key=metrics_without_key,
+            max_waiting=max_waiting,
+            max_batch_size=max_batch_size,
+            max_request_seconds=max_request_seconds,
+            kv_cache_gb=kv_cache_gb,
+            otel_console=otel_console,
+        )
         if ray or ray_address:
             if inject_faults:
                 raise InvalidArgumentError("--inject-faults is for the single-process server; drop it or --ray")
             scaling = _scaling(replicas, replica_cpus, min_replicas, max_replicas, target_ongoing_requests)
-            _serve_on_ray(spec, scaling, ray_address, host, port)
+            _serve_on_ray(config, scaling, ray_address)
             return
         faults = _fault_injector(inject_faults) if inject_faults else None
         with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
-            engine = spec.engine()
+            engine = config.engine()
             if cache_url is not None and not engine.cache_backend.ping():  # not fatal: it may come up later
                 from specdecode.cache.backends import mask_password
 
                 masked = mask_password(cache_url)
                 stderr.print(f"warning: no Redis answers at {masked}; caching in this process until one does")
-        server_app = spec.app(engine, start_worker=False, faults=faults)
+        server_app = app_from_config(config, engine, start_worker=False, faults=faults)
     sizes = f"max_model_len {engine.max_model_len}, up to {server_app.state.worker.decoder.capacity} requests at once"
     stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes})" + (" (API key required)" if api_key else ""))
     with user_errors():
-        run_server(server_app, host, port)
+        run_server(server_app, config.host, config.port)
+
+
+def _server_config(target, draft, drafter, k, adaptive, device, dtype, **settings) -> ServerConfig:
+    """The config of `serve` (settings: its own options) or `batch`, from the engine options they
+    share; its checks run here, before anything loads."""
+    return ServerConfig(
+        target=target,
+        draft=draft,
+        drafter=drafter,
+        num_speculative_tokens=k,
+        adaptive=adaptive,
+        device=device,
+        dtype=dtype,
+        **settings,
+    )
 
 
 def _scaling(replicas: int, replica_cpus: float, min_replicas, max_replicas, target_ongoing_requests):
@@ -619,33 +661,34 @@ def _scaling(replicas: int, replica_cpus: float, min_replicas, max_replicas, tar
     return Scaling(replicas, replica_cpus, min_replicas, max_replicas, target_ongoing_requests)
 
 
-def _serve_on_ray(spec, scaling, address: str | None, host: str, port: int) -> None:
+def _serve_on_ray(config: ServerConfig, scaling, address: str | None) -> None:
     from specdecode.server import ray_cluster, ray_serve
 
     ray_cluster.connect(address)
     ray_cluster.check_fits(scaling.most_replicas, scaling.replica_cpus)
-    status = stderr.status(f"Starting {scaling.replicas} replicas of {spec.target} on Ray")
+    status = stderr.status(f"Starting {scaling.replicas} replicas of {config.target} on Ray")
     status.start()
 
     def ready() -> None:
         status.stop()
-        key = " (API key required)" if spec.api_key else ""
-        stderr.print(f"serving {spec.target} on http://{host}:{port}/v1 with {scaling.replicas} Ray replicas{key}")
+        key = " (API key required)" if config.api_key else ""
+        url = f"http://{config.host}:{config.port}/v1"
+        stderr.print(f"serving {config.target} on {url} with {scaling.replicas} Ray replicas{key}")
 
     try:
-        ray_serve.serve_until_signalled(spec, scaling, host, port, ready)
+        ray_serve.serve_until_signalled(config, scaling, ready)
     finally:
         status.stop()
 
 
-def _fault_injector(spec: str):
+def _fault_injector(option: str):
     from specdecode.server.faults import RandomFaults
 
     try:
-        values = [float(x) for x in spec.split(",")]
+        values = [float(x) for x in option.split(",")]
         transient, crash, delay = (values + [0.0])[:3] if len(values) in (2, 3) else [float("")] * 3
     except ValueError:
-        message = f"--inject-faults takes 'TRANSIENT,CRASH[,DELAY_S]' (probabilities, seconds per step), got '{spec}'"
+        message = f"--inject-faults takes 'TRANSIENT,CRASH[,DELAY_S]' (probabilities, seconds per step), got '{option}'"
         raise InvalidArgumentError(message) from None
     return RandomFaults(transient, crash, delay=delay)
 
@@ -673,8 +716,8 @@ def loadtest(
     output: Annotated[Optional[str], typer.Option(help="Write the results as JSON to this file.")] = None,
 ) -> None:
     """Throughput and latency percentiles of an OpenAI-compatible server at several concurrency levels."""
-    from specdecode.bench.loadtest import print_level, run_loadtest, server_metrics, started_server
     from specdecode.bench.prompts import load_prompts
+    from specdecode.server.loadtest import print_level, run_loadtest, server_metrics, started_server
 
     with user_errors():
         levels = _positive_ints(concurrency, "--concurrency")
@@ -704,16 +747,14 @@ def loadtest(
 def batch(
     input: Annotated[str, typer.Argument(help="JSONL in the OpenAI Batch API format (custom_id, method, url, body).")],
     output: Annotated[str, typer.Option(help="JSONL of answers; a rerun skips the custom_ids already in it.")],
-    target: TargetOption = DEFAULT_TARGET,
-    draft: DraftOption = None,
-    drafter: DrafterOption = "auto",
-    k: KOption = 4,
-    adaptive: Annotated[
-        bool, typer.Option("--adaptive/--fixed-k", help="Choose k per step from measured acceptance and costs.")
-    ] = True,
+    target: TargetOption = SERVER.target,
+    draft: DraftOption = SERVER.draft,
+    drafter: DrafterOption = SERVER.drafter,
+    k: KOption = SERVER.num_speculative_tokens,
+    adaptive: AdaptiveOption = SERVER.adaptive,
     concurrency: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 8,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
+    device: DeviceOption = SERVER.device,
+    dtype: DtypeOption = SERVER.dtype,
     ray: RayOption = False,
     ray_address: RayAddressOption = None,
     replicas: ReplicasOption = 1,
@@ -723,8 +764,8 @@ def batch(
     from pathlib import Path
 
     from specdecode.bench.progress import bench_progress
+    from specdecode.server.app import app_from_config
     from specdecode.server.batch import pending, read_requests, run_batch
-    from specdecode.server.spec import ServerSpec
 
     with user_errors():
         source, destination = Path(input), Path(output)
@@ -732,7 +773,7 @@ def batch(
             raise InvalidArgumentError(f"no input file at {input}")
         if concurrency < 1:
             raise InvalidArgumentError(f"--concurrency must be at least 1, got {concurrency}")
-        _check_k(k)
+        config = _server_config(target, draft, drafter, k, adaptive, device, dtype).with_batch_size(concurrency)
         on_ray = ray or ray_address is not None
         if on_ray:
             from specdecode.server import ray_cluster
@@ -741,7 +782,6 @@ def batch(
         lines = read_requests(source)
         todo = pending(lines, destination)  # the output is read once: resuming stays linear
         left = len(todo)
-        spec = ServerSpec(target, draft, drafter, k, device, dtype, adaptive=adaptive).with_batch_size(concurrency)
         if on_ray:
             ray_cluster.connect(ray_address)
             ray_cluster.check_fits(replicas, replica_cpus)
@@ -750,10 +790,10 @@ def batch(
             description = f"{replicas} Ray actors; {len(lines) - left} done before"
 
             def answer_all(advance):
-                return run_batch_on_ray(spec, todo, destination, replicas, replica_cpus, advance)
+                return run_batch_on_ray(config, todo, destination, replicas, replica_cpus, advance)
         else:
             with stderr.status(f"Loading {target}" + (f" and {draft}" if draft else "")):
-                server_app = spec.app()
+                server_app = app_from_config(config)
             description = f"{len(lines) - left} of {len(lines)} done before"
 
             def answer_all(advance):
@@ -773,6 +813,15 @@ def _positive_ints(text: str, name: str) -> list[int]:
     if not values or min(values) < 1:
         raise InvalidArgumentError(f"{name} values must be at least 1, got '{text}'")
     return values
+
+
+def _register_train_draft() -> None:
+    from specdecode.training import train_draft_command
+
+    app.command("train-draft")(user_errors()(train_draft_command))
+
+
+_register_train_draft()
 
 
 def main() -> None:

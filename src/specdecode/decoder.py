@@ -26,10 +26,11 @@ active (runners/slots.py); a *step* is one target forward. `Decoder.step` runs t
    tokens (ragged acceptance); every verdict and every stop is decided before anything is
    changed. Then a tree's accepted path has its cache entries moved to consecutive positions
    (`SlotPool.keep`; a path that is the chain prefix needs none: phase 0's crop keeps it),
-   and every drafter of each sequence learns what the target predicted (`learn`). A step that
-   raises changes no sequence (the generators are restored; a slot whose entries were moved,
-   or half moved, still holds the accepted prefix, which phase 0 crops back to or rebuilds)
-   and can simply be run again;
+   and every drafter of each sequence learns what the target predicted (`learn`; a draft head,
+   which declares `hidden_layers`, also gets the target's hidden states of the accepted
+   tokens from the same forward, `learn_hidden`). A step that raises changes no sequence
+   (the generators are restored; a slot whose entries were moved, or half moved, still holds
+   the accepted prefix, which phase 0 crops back to or rebuilds) and can simply be run again;
 5. commit: tokens appended, the cache's length set to the accepted prefix, stats, stopping.
 
 Exactness: a sequence is verified by the same rule, on the same logits, whether it runs
@@ -188,15 +189,16 @@ class Decoder:
             drafts, asked = self._draft(sequences)
             forward_tokens = sum(len(seq.tokens) - seq.cached + len(d) for seq, d in zip(sequences, drafts))
             start = time.perf_counter()
-            logits = self._verify(sequences, drafts)
+            layers = _hidden_layers_wanted(sequences)
+            logits, hidden = self._verify(sequences, drafts, layers)
             if after_forward is not None:
                 after_forward()
             decisions = [self._decide(*args) for args in zip(sequences, drafts, logits, strict=True)]
             for seq, draft, decision in zip(sequences, drafts, decisions, strict=True):
                 self._keep_path(seq, draft, decision)
             seconds = time.perf_counter() - start
-            for args in zip(sequences, drafts, logits, decisions, strict=True):
-                self._learn(*args)
+            for args in zip(sequences, drafts, logits, decisions, hidden, strict=True):
+                self._learn(*args, layers)
         except BaseException:
             for seq, state in zip(sequences, states, strict=True):
                 seq.generator.set_state(state)  # a retried step draws the same numbers
@@ -261,11 +263,16 @@ class Decoder:
             chosen[drafter.name] = self._policy(drafter).choose(k_max, batch_size)
         return min(chosen[drafter.name], seq.k_max)
 
-    def _verify(self, sequences: list[Sequence], drafts: list[Draft]) -> list[torch.Tensor]:
+    def _verify(
+        self, sequences: list[Sequence], drafts: list[Draft], layers: tuple[int, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One target forward: [len(draft) + 1, vocab] logits per sequence, after its last
         token and after each of its draft tokens (a prefill's: [1, vocab], after its prompt).
         A rebuilt sequence asks for every new row's logits, so that the fast paths run them
-        one query at a time, as they first ran (module docstring); only the last are kept."""
+        one query at a time, as they first ran (module docstring); only the last are kept.
+        And, where layers are asked for (a draft head's), the target's hidden states of those
+        layers for every new row of each sequence [n_i, len(layers), hidden] (None where its
+        runner keeps none), from the same forward."""
         new_tokens, num_logits, parents = [], [], []
         for seq, draft in zip(sequences, drafts, strict=True):
             end = len(seq.prompt_ids) if seq.prompt_uncached else len(seq.tokens)
@@ -274,11 +281,26 @@ class Decoder:
             num_logits.append(1 if seq.prompt_uncached else len(new_tokens[-1]))
             parents.append(None if draft.is_chain else _forward_parents(len(uncached), draft))
         slots = [s.slot for s in sequences]
+        runners = [self.slots.runner] + [self.slots.slots[s] for s in slots]
+        for runner in runners:  # only runners that declare hidden_layers can keep them
+            if getattr(runner, "hidden_layers", layers) != layers:
+                runner.hidden_layers = layers
         if any(p is not None for p in parents):
             logits = self.slots.forward(slots, new_tokens, num_logits, parents)
         else:
             logits = self.slots.forward(slots, new_tokens, num_logits)
-        return [rows[rows.shape[0] - len(d) - 1 :] for rows, d in zip(logits, drafts, strict=True)]
+        hidden = self._hidden_states(slots, new_tokens) if layers else [None] * len(slots)
+        return [rows[rows.shape[0] - len(d) - 1 :] for rows, d in zip(logits, drafts, strict=True)], hidden
+
+    def _hidden_states(self, slots: list[int], new_tokens: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """What the last forward kept of each slot's new rows: from the runner that ran the batch
+        (a list per sequence) or from each slot's; None where it kept nothing for them."""
+        if self.slots.runner.stacks_sequences and len(slots) > 1:
+            found = getattr(self.slots.runner, "hidden", None) or [None] * len(slots)
+        else:
+            found = [getattr(self.slots.slots[s], "hidden", None) for s in slots]
+            found = [h[0] if isinstance(h, list) else h for h in found]  # a forward run as a batch of one
+        return [h if h is not None and h.shape[0] == len(t) else None for h, t in zip(found, new_tokens, strict=True)]
 
     def _decide(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> _Decision | None:
         if seq.prompt_uncached and seq.rebuilding:
@@ -302,15 +324,32 @@ class Decoder:
         uncached = len(seq.tokens) - seq.cached
         self.slots.keep(seq.slot, seq.cached, list(range(uncached)) + [uncached + i for i in path])
 
-    def _learn(self, seq: Sequence, draft: Draft, logits: torch.Tensor, decision: _Decision | None) -> None:
+    def _learn(
+        self,
+        seq: Sequence,
+        draft: Draft,
+        logits: torch.Tensor,
+        decision: _Decision | None,
+        hidden: torch.Tensor | None,  # [uncached + len(draft), len(layers), hidden]
+        layers: tuple[int, ...],
+    ) -> None:
         """Every drafter of the sequence sees what the target predicted: logits [len(draft) + 1,
-        vocab] after its last token and after each draft node (a prefill's: one row)."""
+        vocab] after its last token and after each draft node (a prefill's: one row). A drafter
+        that declares hidden_layers (a draft head) gets the target's hidden states of the tokens
+        now accepted, the uncached ones and the accepted path, at their positions from
+        seq.cached on (written again at the same positions if the step is run again)."""
         if decision is None:
             return  # a rebuilt prompt: its drafters learnt it when it was first run
         for drafter in seq.drafters:
             learn = getattr(drafter, "learn", None)
             if learn is not None:
                 learn(seq.tokens, draft, logits)
+            wanted = getattr(drafter, "hidden_layers", ())
+            if wanted and hidden is not None:
+                uncached = hidden.shape[0] - len(draft)
+                rows = list(range(uncached)) + [uncached + i for i in decision.verdict.path]
+                columns = [layers.index(layer) for layer in wanted]
+                drafter.learn_hidden(seq.cached, hidden[rows][:, columns])
 
     def _commit(self, seq: Sequence, draft: Draft, decision: _Decision | None, asked: int) -> list[int]:
         if decision is None:  # a rebuilt prompt
@@ -338,8 +377,8 @@ class Decoder:
 
     def _record_cost(self, tokens: int, seconds: float) -> None:
         # The first forward of a size pays one-time costs (oneDNN and MKL choose and pack kernels
-        # for the new shape; measured here: 69 ms for 5 tokens, about 50 later): recorded, it
-        # would make drafting look dear, and k = 0 chosen from it would never time that size again.
+        # for the new shape): recorded, it would make drafting look dear, and k = 0 chosen from
+        # it would never time that size again.
         if tokens in self._sizes_run:
             self.costs.record(tokens, seconds)
         self._sizes_run.add(tokens)
@@ -351,6 +390,11 @@ class Decoder:
             trees = self.verifies_trees and getattr(drafter, "drafts_trees", False)
             self.policies[drafter.name] = AdaptiveTree(self.costs) if trees else AdaptiveK(self.costs)
         return self.policies[drafter.name]
+
+
+def _hidden_layers_wanted(sequences: list[Sequence]) -> tuple[int, ...]:
+    """The target layers whose hidden states this step's drafters read (draft heads), sorted."""
+    return tuple(sorted({i for seq in sequences for d in seq.drafters for i in getattr(d, "hidden_layers", ())}))
 
 
 def _forward_parents(uncached: int, draft: Draft) -> torch.Tensor:  # [uncached + len(draft)] int64

@@ -31,6 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specdecode import precision
 from specdecode.cpu import cpu_flags
 from specdecode.errors import InvalidArgumentError, ModelNotFoundError, VocabularyMismatchError
 
@@ -89,26 +90,20 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # float32, for a model loaded alone: SpeculativeEngine.from_pretrained, which knows the
-        # runner, picks bfloat16 where a fast path makes it exact (runners.select.auto_dtype).
-        # On CUDA nothing yet shows that verifying k + 1 tokens, or a batch, gives each row the
-        # bits of decoding it alone in half precision (benchmarks/gpu_exactness.py checks it)
-        return torch.float32
-    if dtype not in _DTYPES:
-        raise InvalidArgumentError(f"unknown dtype '{dtype}'; use auto, float32, bfloat16 or float16")
-    return _DTYPES[dtype]
+    """precision.resolve_dtype for a model loaded alone, with no fast path known: "auto" is
+    float32 here. SpeculativeEngine.from_pretrained, which knows the runner, decides auto
+    through runners.select.chosen_dtype (the same rule, given the runner). On CUDA nothing yet
+    shows that verifying k + 1 tokens, or a batch, gives each row the bits of decoding it alone
+    in half precision (benchmarks/gpu_exactness.py checks it)."""
+    return precision.resolve_dtype(dtype, device)
 
 
-QUANTIZATIONS = ("nf4", "fp4", "int8")  # the target's, through bitsandbytes (--quantization)
+# the target's, through bitsandbytes (--quantization): names and the older spellings
+QUANTIZATIONS = tuple(spelling for q in precision.QUANTIZATIONS if q.bitsandbytes for spelling in (q.name, *q.aliases))
 # What 4-bit leaves in the model's dtype: the output head (as transformers does by default)
-# and the MLPs' down projections, whose inputs have the widest range. On the default model in
-# nf4: perplexity +9.0% over float32 with every layer in 4 bits, +3.9% with down_proj kept
-# (bfloat16 elsewhere: weights 150 MB, 28% of float32's; benchmarks/quantization.py).
+# and the MLPs' down projections, whose inputs have the widest range: keeping them halves the
+# perplexity cost of 4 bits (docs/quantization.md, benchmarks/quantization.py).
 FOUR_BIT_KEEPS = ("lm_head", "down_proj")
 
 
@@ -151,15 +146,19 @@ def check_bitsandbytes(device: torch.device) -> None:
 
 
 def bnb_config(quantization: str, device: torch.device):
-    """transformers' BitsAndBytesConfig for nf4, fp4 (4-bit, blocks of 64) or int8 (LLM.int8)."""
+    """transformers' BitsAndBytesConfig for nf4, fp4 (4-bit, blocks of 64) or llm-int8 (LLM.int8;
+    "int8", its older spelling)."""
     from transformers import BitsAndBytesConfig
 
-    if quantization not in QUANTIZATIONS:
+    named = precision.quantization_named(quantization, precision.TARGET)
+    if not named.bitsandbytes:
         raise InvalidArgumentError(
-            f"unknown quantization '{quantization}'; choose one of: {', '.join(QUANTIZATIONS)}", "quantization"
+            f"{named.name} is quantized by the fast runner, not by bitsandbytes as the model loads: "
+            "load the model in float and pass the quantization to runner_for",
+            "quantization",
         )
     check_bitsandbytes(device)
-    if quantization == "int8":
+    if named.name == "llm-int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
         load_in_4bit=True,
@@ -181,10 +180,17 @@ def quantization_of(model: torch.nn.Module) -> str | None:
     return None
 
 
-def precision_of(model: torch.nn.Module) -> str:
-    """The model's precision in words: "float32", or "nf4 (bitsandbytes, bfloat16 compute), float32 elsewhere"."""
+def precision_of(model: torch.nn.Module, runner=None) -> str:
+    """The model's precision in words: "float32", "nf4 (bitsandbytes, bfloat16 compute), float32
+    elsewhere", or for a runner that quantizes its products itself (w8a8), "w8a8 (int8 weights
+    and activations, oneDNN), bfloat16 elsewhere"."""
     # transformers' dtype: its first floating-point weight's (bitsandbytes' packed weights are integers)
     dtype = str(getattr(model, "dtype", None) or next(model.parameters()).dtype).removeprefix("torch.")
+    own = getattr(runner, "quantization", None)
+    if own == "w8a8":
+        return f"w8a8 (int8 weights and activations, oneDNN), {dtype} elsewhere"
+    if own is not None:
+        return f"{own} (fast runner), {dtype} elsewhere"
     quantization = quantization_of(model)
     if quantization is None:
         return dtype
@@ -200,7 +206,7 @@ def copy_off_file_map(model: torch.nn.Module) -> None:
     loads tensors as views of the file's memory map, and the map keeps every page read from it
     resident while any one of them lives: once every weight has been read (quantized by
     bitsandbytes, or reordered by a fast runner), that is the whole file, freed weights' pages
-    included (measured: ~520 MB of the default model's 538 MB float32 file). Copied out, the
+    included (nearly the whole file: benchmarks/results/earlier-measurements.md). Copied out, the
     map closes; quantized codes (integers) and meta tensors are left as they are."""
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if tensor.is_floating_point() and tensor.device.type == "cpu":
@@ -366,7 +372,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
 def _fingerprint(path: Path) -> str:
     """Names the file by a hash of its whole content: the same file installed in another
     environment maps to the same converted folder, and two files that share their size, header
-    and tail (fine-tunes of one model) do not. Read in chunks: ~100 MB hash in well under a second."""
+    and tail (fine-tunes of one model) do not. Hashing a file is cheap beside converting it."""
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()[:12]
 

@@ -19,7 +19,7 @@ from specdecode.loading import DEFAULT_TARGET
 BENCH_DRAFTERS = ("prompt-lookup", "model")
 
 # One prompt from each Spec-Bench task (writing stands for the MT-bench ones), few tokens,
-# two k values (six systems): about 1.5 minutes on an idle 2-core CPU, and every plot has data.
+# two k values (six systems): a run of minutes on a small CPU (docs/benchmarks.md), and every plot has data.
 QUICK = dict(
     categories=("writing", "translation", "summarization", "qa", "math_reasoning", "rag"),
     prompts_per_category=1,

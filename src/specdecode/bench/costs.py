@@ -7,13 +7,12 @@ loop runs it: the cache rolled back to the same prefix, then only the new tokens
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.bench.interleave import interleave, medians
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters import Drafter
 from specdecode.runners import CachedSequence, ModelRunner
@@ -47,7 +46,10 @@ def measure_costs(
         drafter.begin(prefix)
         calls |= {(series, k): proposal(drafter, prefix, k, params) for k in k_values}
     costs = ForwardCosts(len(prefix))
-    for (what, size), seconds in _median_seconds_interleaved(calls).items():
+    # untimed first calls (prefill, allocations), then rounds of one call of each kind: a burst
+    # of load from another process slows every kind alike instead of all repeats of one
+    timings = interleave({key: lambda _, call=call: call() for key, call in calls.items()}, repeats=ROUNDS, warm_up=1)
+    for (what, size), seconds in medians(timings).items():
         if what == "target":
             costs.target_s[size] = seconds
         else:
@@ -67,17 +69,3 @@ def proposal(drafter: Drafter, prefix: list[int], k: int, params: SamplingParams
     generator = torch.Generator().manual_seed(0)
     # a model drafter's cache rolls back to prefix on each call (the first prefills it)
     return lambda: drafter.propose(prefix, k, params, generator)
-
-
-def _median_seconds_interleaved(calls: dict) -> dict:
-    """Median seconds of each call, timed in rounds of one call each: a burst of load from
-    another process then slows every kind of call alike instead of all repeats of one."""
-    for call in calls.values():
-        call()  # untimed: prefill and first-call allocations
-    times: dict = {key: [] for key in calls}
-    for _ in range(ROUNDS):
-        for key, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(values) for key, values in times.items()}

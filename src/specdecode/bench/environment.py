@@ -42,6 +42,19 @@ def summary_line(environment: dict) -> str:
     )
 
 
+def machine_line() -> str:
+    """The machine, torch's threads, the versions, the load and the date, in one line: what a
+    script in benchmarks/ writes above its table."""
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    versions = {name: _version(name) for name in ("torch", "transformers")}
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
+    return (
+        f"{cpu_name()} ({os.cpu_count()} CPUs){gpu}, {torch.get_num_threads()} torch threads; "
+        f"torch {versions['torch']}, transformers {versions['transformers']}; "
+        f"load average (1 min) {_fmt_load(load_average())}; {now} UTC"
+    )
+
+
 def load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 

@@ -7,7 +7,6 @@ frequency change) over all of them instead of favouring whichever always runs fi
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -16,16 +15,18 @@ from transformers import PreTrainedModel
 from specdecode.bench.config import BenchConfig
 from specdecode.bench.costs import ForwardCosts, measure_costs
 from specdecode.bench.environment import describe_environment, load_average
+from specdecode.bench.interleave import interleave
 from specdecode.bench.llamacpp import LOOKUP_TOKENS, NOT_INSTALLED, gguf_file, installed
 from specdecode.bench.measurement import Measurement
-from specdecode.bench.metrics import ALL, Row, summarize
 from specdecode.bench.progress import bench_progress
 from specdecode.bench.prompts import BenchPrompt, load_prompts, select_prompts
 from specdecode.bench.quality import Difference, add_perplexities, compare_greedy
+from specdecode.bench.summary import Row, summarize
 from specdecode.bench.systems import (
     EngineSystem,
     HFSystem,
     LlamaCppSystem,
+    Output,
     System,
     SystemSpec,
     build_systems,
@@ -107,7 +108,6 @@ def measure_systems(
             add_perplexities(measurements, prompt_ids, model)
     specs = [system.spec for system in systems]
     rows = summarize(measurements, specs, costs, config.greedy)
-    add_llamacpp_forwards(rows, measurements)
     return BenchResult(
         config,
         environment,
@@ -141,9 +141,8 @@ def load_models(config: BenchConfig) -> tuple[SpeculativeEngine, dict[str, PreTr
     no_cache = CacheOptions(response_cache=False, draft_store=False)  # the benchmark times decoding, not caches
     engine = SpeculativeEngine.from_pretrained(
         config.target,
-        None,
-        "none",
-        0,
+        drafter="none",
+        num_speculative_tokens=0,
         device=config.device,
         dtype=config.dtype,
         cache=no_cache,
@@ -195,40 +194,52 @@ def time_systems(
     config: BenchConfig,
     console: Console,
 ) -> list[Measurement]:
-    """Every system on every prompt, config.runs times, systems in a new random order each prompt."""
-    order_rng = random.Random(config.seed)
-    measurements = []
+    """Every system on every prompt, config.runs times, systems in a new random order each prompt
+    (bench/interleave.py); each system times itself (llama.cpp's inside its worker)."""
+    # one item per run and prompt, with one sampling seed each, the same for every system
+    items = [(run, index, prompt) for run in range(config.runs) for index, prompt in enumerate(prompts)]
     with bench_progress(console) as progress:
-        task = progress.add_task("Timing", total=config.runs * len(prompts) * len(systems))
-        for run in range(config.runs):
-            for index, prompt in enumerate(prompts):
-                # one sampling seed per prompt and run, the same for every system
+        task = progress.add_task("Timing", total=len(items) * len(systems))
+
+        def timing(system: System):
+            def generate(item: tuple[int, int, BenchPrompt]) -> Output:
+                run, index, prompt = item
+                progress.update(
+                    task,
+                    description=f"run {run + 1}/{config.runs} prompt {index + 1}/{len(prompts)} "
+                    f"({prompt.category}) {system.spec.name}",
+                )
                 seed = config.seed + run * len(prompts) + index
-                for order, system in enumerate(order_rng.sample(systems, len(systems))):
-                    progress.update(
-                        task,
-                        description=f"run {run + 1}/{config.runs} prompt {index + 1}/{len(prompts)} "
-                        f"({prompt.category}) {system.spec.name}",
-                    )
-                    ids = prompt_ids[prompt.id]
-                    output = system.generate(ids, config.max_new_tokens, config.temperature, seed)
-                    measurements.append(
-                        Measurement(
-                            system.spec.name,
-                            system.spec.group,
-                            prompt.id,
-                            prompt.category,
-                            run,
-                            order,
-                            len(ids),
-                            output.token_ids,
-                            output.wall_time_s,
-                            output.stats.to_dict() if output.stats is not None else None,
-                        )
-                    )
-                    progress.advance(task)
+                output = system.generate(prompt_ids[prompt.id], config.max_new_tokens, config.temperature, seed)
+                progress.advance(task)
+                return output
+
+            return generate
+
+        runs = interleave({i: timing(s) for i, s in enumerate(systems)}, items, order="shuffle", seed=config.seed)
         progress.update(task, description="Timed")
-    return measurements
+    return [_measurement(systems[r.system], items[r.item], r.order, prompt_ids, r.value) for r in runs]
+
+
+def _measurement(
+    system: System, item: tuple[int, int, BenchPrompt], order: int, prompt_ids: dict[str, list[int]], output: Output
+) -> Measurement:
+    run, _, prompt = item
+    stats = output.stats.to_dict() if output.stats is not None else None
+    spec = system.spec
+    ids = prompt_ids[prompt.id]
+    return Measurement(
+        spec.name,
+        spec.group,
+        prompt.id,
+        prompt.category,
+        run,
+        order,
+        len(ids),
+        output.token_ids,
+        output.wall_time_s,
+        stats,
+    )
 
 
 def describe_system(system: System) -> dict:
@@ -247,14 +258,3 @@ def describe_system(system: System) -> dict:
     elif isinstance(system, LlamaCppSystem):
         described["llama_cpp"] = system.options  # the file, and the settings its context was created with
     return described
-
-
-def add_llamacpp_forwards(rows: list[Row], measurements: list[Measurement]) -> None:
-    """Tokens per forward of llama.cpp's drafter, from the forwards its worker counted
-    (metrics.summarize counts acceptance from the engine's own stats only)."""
-    for row in rows:
-        if row.group != "f":
-            continue
-        chosen = [m for m in measurements if m.system == row.system and row.category in (ALL, m.category)]
-        forwards = sum(m.stats["target_forwards"] for m in chosen)
-        row.mean_accepted_length = sum(m.new_tokens for m in chosen) / forwards if forwards else None

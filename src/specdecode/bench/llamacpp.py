@@ -33,7 +33,7 @@ LOOKUP_TOKENS = 2
 INSTALL = "pip install 'specdecode[llamacpp]'"
 NOT_INSTALLED = f"llama.cpp: not installed ({INSTALL}); skipped"
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
-START_TIMEOUT_S = 300.0  # loading a small .gguf takes about a second; a hung load must not hang the bench
+START_TIMEOUT_S = 300.0  # far beyond a small .gguf's load: a hung load must not hang the bench
 GENERATE_TIMEOUT_S = 3600.0
 STOP_TIMEOUT_S = 30.0
 

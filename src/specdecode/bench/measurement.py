@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass
 class Measurement:
     system: str
-    group: str  # a, b, c or d, see systems.py
+    group: str  # a to f, see systems.py
     prompt_id: str
     category: str
     run: int
@@ -16,9 +16,11 @@ class Measurement:
     prompt_tokens: int
     token_ids: list[int]
     wall_time_s: float
-    stats: dict | None  # GenerationStats.to_dict() for this engine's systems, None for transformers
+    stats: (
+        dict | None
+    )  # GenerationStats.to_dict() for this engine's systems, LlamaCppCounts' for llama.cpp's, None for transformers
     # filled in after timing, by quality.py
-    first_difference: int | None = None  # greedy: first position differing from (a); None when identical
+    first_difference: int | None = None  # greedy: first position differing from its reference; None when identical
     perplexity: float | None = None  # sampling: the target's perplexity of the generated tokens
 
     @property

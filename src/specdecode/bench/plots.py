@@ -9,10 +9,12 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from specdecode.bench.metrics import ALL, Row
-from specdecode.bench.systems import ENGINE, HF, SystemSpec
+from specdecode.bench.summary import ALL, Row
+from specdecode.bench.systems import ENGINE, HF, LLAMACPP, SystemSpec
 
 DPI = 130
+HATCH = {HF: "///", ENGINE: None, LLAMACPP: "..."}  # bars: which framework ran the system, in this order
+LINE = {HF: "--", ENGINE: "-", LLAMACPP: ":"}  # lines: the same
 
 
 def write_plots(rows: list[Row], specs: list[SystemSpec], folder: Path) -> list[Path]:
@@ -27,12 +29,13 @@ def write_plots(rows: list[Row], specs: list[SystemSpec], folder: Path) -> list[
 def speedup_by_category(rows: list[Row], specs: list[SystemSpec], path: Path) -> Path:
     """Grouped bars: one group per category, one bar per system, height = speedup over (a).
 
-    A drafter and k share one colour, transformers' bar hatched and beside this engine's.
+    A drafter and k share one colour: transformers' bar hatched with lines and llama.cpp's with
+    dots, beside this engine's; llama.cpp's plain decoding (e) shares the colour of the engine's (c).
     """
     categories = list(dict.fromkeys(r.category for r in rows))
     pairs = list(dict.fromkeys(s.on(ENGINE) for s in specs if s.group != "a"))  # (a) is the line at 1
     bars = sorted(
-        (s for s in specs if s.group != "a"), key=lambda s: (pairs.index(s.on(ENGINE)), s.framework == ENGINE)
+        (s for s in specs if s.group != "a"), key=lambda s: (pairs.index(s.on(ENGINE)), list(HATCH).index(s.framework))
     )
     value = {(r.system, r.category): r.speedup_vs_a or 0.0 for r in rows}
     width = 0.8 / max(len(bars), 1)
@@ -47,7 +50,7 @@ def speedup_by_category(rows: list[Row], specs: list[SystemSpec], path: Path) ->
             width,
             label=spec.name,
             color=f"C{pairs.index(spec.on(ENGINE)) % 10}",
-            hatch="///" if spec.framework == HF else None,
+            hatch=HATCH[spec.framework],
             edgecolor="white",
             linewidth=0.5,
         )
@@ -81,7 +84,8 @@ def acceptance_by_position(rows: list[Row], path: Path) -> Path | None:
 
 
 def tokens_per_second_vs_k(rows: list[Row], specs: list[SystemSpec], path: Path) -> Path:
-    """Tokens/s against k for each drafter (transformers dashed); target-only systems as horizontal lines."""
+    """Tokens/s against k for each drafter (transformers dashed, llama.cpp dotted: its k is its drafter's
+    own setting, one point); target-only systems as horizontal lines."""
     overall = {r.system: r for r in rows if r.category == ALL}
     figure = Figure(figsize=(9.0, 4.5), layout="constrained")
     axes = figure.subplots()
@@ -92,17 +96,16 @@ def tokens_per_second_vs_k(rows: list[Row], specs: list[SystemSpec], path: Path)
         points = sorted((s.k, overall[s.name].tokens_per_second) for s in members)
         axes.plot(
             *zip(*points),
-            "--" if members[0].framework == HF else "-",
+            LINE[members[0].framework],
             marker="o",
             label=series,
             color=f"C{drafters.index(members[0].on(ENGINE).series) % 10}",
         )
     for spec in (s for s in specs if not s.speculative):
-        style = "--" if spec.framework == HF else "-"
         axes.axhline(
             overall[spec.name].tokens_per_second,
             color="gray",
-            linestyle=style,
+            linestyle=LINE[spec.framework],
             linewidth=1,
             label=f"({spec.group}) {spec.name}",
         )

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from specdecode.errors import InvalidArgumentError
 
+# the third prompt of each of these shipped categories: `bench --quick` times only the first
+HELD_OUT_CATEGORIES = ("writing", "qa", "coding", "stem")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 DEFAULT_CATEGORY = "custom"
 
@@ -25,6 +27,55 @@ class BenchPrompt:
     id: str
     category: str
     text: str
+
+
+# Prompts written for the scripts in benchmarks/ (none from Spec-Bench or a set a drafter learns from).
+PASSAGE = (
+    "The city council met on Tuesday to discuss the new public library. The building will have three floors, "
+    "a children's reading room, and a cafe. Construction starts in March and should take eighteen months. "
+    "The budget is twelve million dollars, paid for by a state grant and local taxes."
+)
+# copy-type prompts (the answer copies or edits the prompt) against open-ended ones
+DRAFTER_PROMPTS = {
+    "copy": [
+        f"Copy this text exactly, word for word: {PASSAGE}",
+        f"Rewrite this text, replacing 'library' with 'museum' and changing nothing else: {PASSAGE}",
+        f"Extract every sentence that contains a number from this text, one per line: {PASSAGE}",
+        f"Summarize this text in two sentences, reusing its own words: {PASSAGE}",
+    ],
+    "open-ended": [
+        "Write a short story about a robot who learns to paint.",
+        "Explain why the sky is blue to a ten-year-old.",
+        "Give five tips for staying focused while studying.",
+        "Write a friendly email inviting a colleague to lunch.",
+    ],
+}
+COPY_PROMPTS = [
+    "Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model "
+    "verifies in one pass, so generation gets faster without changing its output.",
+    "Repeat the following list word for word: apples, bananas, cherries, dates, elderberries, figs, grapes, "
+    "honeydew melons, kiwis, lemons, mangoes and nectarines.",
+    "Rename the variable `total` to `sum_of_values` in this code and print the whole function:\n"
+    "def add_all(values):\n    total = 0\n    for value in values:\n        total += value\n    return total\n",
+]
+OPEN_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "What are the main differences between renewable and non-renewable energy?",
+]
+# a fixed text for perplexity
+PERPLEXITY_TEXT = (
+    "The river rose slowly through the night, and by morning the lower fields were under water. "
+    "Farmers moved their animals to the hills, while the children watched from the bridge as boats "
+    "carried sacks of grain to the village hall. Nobody in the valley remembered a flood this early "
+    "in the spring, and the old miller said the snow in the mountains had melted three weeks too soon."
+)
+
+
+def held_out_prompts() -> list[str]:
+    """The third shipped prompt of each HELD_OUT_CATEGORIES category: chat prompts the quick bench never times."""
+    prompts = load_prompts()
+    return [[p for p in prompts if p.category == c][2].text for c in HELD_OUT_CATEGORIES]
 
 
 def default_prompt_file() -> Path:

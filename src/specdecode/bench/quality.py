@@ -1,11 +1,15 @@
 """What was generated, next to how fast: a speedup only counts if the output is right.
 
-Greedy runs: every output is compared with transformers' own greedy output (a) on the same
-prompt. Where one differs, the target's two top logits at the first differing position are
-kept: a gap of a few 1e-5 is a numerical near-tie (a batched forward adds in another order),
-not a bug. Sampling runs: outputs cannot be compared token by token, so each is scored by
-the target's perplexity of it (temperature 1, no filtering); systems that sample the same
-distribution score alike on average.
+Greedy runs: every output is compared with its reference's on the same prompt: a speculative
+system's with the same framework's target-only output ((d) with (c), (f) with (e)), every other
+system's with transformers' own greedy output (a). Where one differs, the target's two top
+logits at the first differing position are kept: a gap of a few 1e-5 is a numerical near-tie (a
+batched forward adds in another order), not a bug. Sampling runs: outputs cannot be compared
+token by token, so each is scored by the target's perplexity of it (temperature 1, no
+filtering); systems that sample the same distribution score alike on average.
+
+The scripts in benchmarks/ score runners rather than systems: `runner_perplexity` of a fixed
+text and `greedy_agreement` with a reference runner along a greedy path.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.bench.measurement import Measurement
+from specdecode.runners import ModelRunner
+
+REFERENCE = {"a": "a", "b": "a", "c": "a", "d": "c", "e": "a", "f": "e"}  # each group's greedy reference
 
 
 @dataclass
@@ -26,8 +33,8 @@ class Difference:
     prompt_id: str
     category: str
     run: int
-    position: int  # first new token that differs from (a)
-    reference_token: int | None  # (a)'s token there; None if (a) had ended
+    position: int  # first new token that differs from its reference's output (REFERENCE)
+    reference_token: int | None  # the reference's token there; None if the reference had ended
     system_token: int | None
     top_two: list[dict]  # the target's two most likely tokens there: token id, text, logit
 
@@ -47,15 +54,17 @@ def compare_greedy(
 ) -> list[Difference]:
     """Set each measurement's first_difference from its reference's output; explain every difference.
 
-    The reference of this engine's speculative systems (d) is its own target-only run (c), where
-    there is one: speculation is exact relative to the target as the engine runs it. In half
-    precision the engine's kernels round some near-ties differently from transformers' (a),
-    so (c) against (a) shows the runner, and (d) against (c) shows speculation. Every other
-    system's reference is (a)."""
-    outputs = {(m.group, m.prompt_id, m.run): m.token_ids for m in measurements if m.group in ("a", "c")}
+    The reference of a speculative system is its own framework's target-only run, where there is
+    one: this engine's (d) against (c), llama.cpp's prompt lookup (f) against its plain decoding
+    (e), since speculation is exact relative to the target as that framework runs it. The
+    engine's kernels (and llama.cpp's, on the .gguf's blocks) round some near-ties differently
+    from transformers' (a), so (c) and (e) against (a) show the runner, and (d) against (c), (f)
+    against (e), show speculation. Every other system's reference is (a)."""
+    outputs = {(m.group, m.prompt_id, m.run): m.token_ids for m in measurements if m.group in REFERENCE.values()}
     differences = []
     for m in measurements:
-        group = "c" if m.group == "d" and ("c", m.prompt_id, m.run) in outputs else "a"
+        group = REFERENCE[m.group]
+        group = group if (group, m.prompt_id, m.run) in outputs else "a"
         expected = outputs[(group, m.prompt_id, m.run)]
         m.first_difference = first_difference(expected, m.token_ids)
         if m.first_difference is None:
@@ -119,3 +128,26 @@ def target_perplexity(model: PreTrainedModel, prompt: list[int], generated: list
 
 def _token_at(tokens: list[int], position: int) -> int | None:
     return tokens[position] if position < len(tokens) else None
+
+
+def runner_perplexity(runner: ModelRunner, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of token_ids[1:] under the runner, in one uncached forward."""
+    runner.reset()
+    logits = runner.forward(torch.tensor(token_ids), len(token_ids))[:-1]  # [n - 1, vocab]
+    nll = F.cross_entropy(logits.double(), torch.tensor(token_ids[1:]))
+    return float(torch.exp(nll))
+
+
+def greedy_agreement(
+    runner: ModelRunner, reference: ModelRunner, prompt_ids: list[int], greedy: list[int]
+) -> tuple[float, float]:
+    """(share of reference's greedy tokens the runner reproduces before its first difference, share
+    of positions where the two argmaxes agree along that greedy path)."""
+    sequence = prompt_ids + greedy
+    argmaxes = []
+    for r in (runner, reference):
+        r.reset()
+        argmaxes.append(r.forward(torch.tensor(sequence[:-1]), len(greedy)).argmax(-1))
+    same = (argmaxes[0] == argmaxes[1]).tolist()
+    prefix = same.index(False) if False in same else len(same)
+    return prefix / len(greedy), sum(same) / len(same)

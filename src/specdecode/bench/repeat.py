@@ -14,14 +14,15 @@ Greedy; the chat template where the model has one.
 
 from __future__ import annotations
 
+import itertools
 import json
-import random
-import time
 from collections import defaultdict
 from collections.abc import Callable
 
 from specdecode.bench.environment import cpu_name
+from specdecode.bench.interleave import interleave
 from specdecode.bench.prompts import default_prompt_file
+from specdecode.bench.tables import markdown_table
 from specdecode.drafters import AutoDrafter, PromptLookupDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import CacheOptions, GenerationResult, SpeculativeEngine
@@ -70,26 +71,33 @@ def run_repeat_workload(
     store = engine.open_caches(CacheOptions(response_cache=False))  # the draft store on the engine's backend
     learner = engine.with_drafter(SuffixDrafter(store), 8, adaptive=True, response_cache=True)
 
-    def run(view: SpeculativeEngine, messages: Messages) -> tuple[GenerationResult, float]:
-        start = time.perf_counter()
-        result = view.generate([prompt_ids(engine, messages)], max_new_tokens=new_tokens)[0]
-        return result, time.perf_counter() - start
+    def generate(view: SpeculativeEngine, messages: Messages) -> GenerationResult:
+        return view.generate([prompt_ids(engine, messages)], max_new_tokens=new_tokens)[0]
 
     seen, unseen = prompt_sets(prompts)
-    history = {row["question_id"]: run(learner, _first_turn(row))[0].text for row in seen}
+    history = {row["question_id"]: generate(learner, _first_turn(row)).text for row in seen}
     requests = _requests(seen, unseen, history)
     views = systems(engine, store)
     for view in views.values():  # warm-up: first calls, first measurements
-        run(view, [{"role": "user", "content": "Say hello."}])
-    order, totals = random.Random(seed), defaultdict(lambda: defaultdict(float))
-    for workload, messages in requests:
-        names = list(views)
-        order.shuffle(names)
-        results = {name: run(views[name], messages) for name in names}
-        baseline = results["target-only"][0].token_ids
-        for name, (result, seconds) in results.items():
-            _add(totals[(workload, name)], result, seconds, result.token_ids == baseline)
-        on_request()
+        generate(view, [{"role": "user", "content": "Say hello."}])
+    answered = itertools.count(1)
+
+    def timing(view: SpeculativeEngine) -> Callable[[Messages], GenerationResult]:
+        def run(messages: Messages) -> GenerationResult:
+            result = generate(view, messages)
+            if next(answered) % len(views) == 0:  # every system has answered this request
+                on_request()
+            return result
+
+        return run
+
+    items = [messages for _, messages in requests]
+    runs = interleave({name: timing(view) for name, view in views.items()}, items, order="shuffle", seed=seed)
+    totals = defaultdict(lambda: defaultdict(float))
+    baseline = {run.item: run.value.token_ids for run in runs if run.system == "target-only"}
+    for run in runs:
+        cell = totals[(requests[run.item][0], run.system)]
+        _add(cell, run.value, run.seconds, run.value.token_ids == baseline[run.item])
     return _table(totals, views, prompts, new_tokens)
 
 
@@ -132,13 +140,8 @@ def _add(cell: dict, result: GenerationResult, seconds: float, identical: bool) 
 
 
 def _table(totals: dict, views: dict, prompts: int, new_tokens: int) -> str:
-    lines = [
-        f"Repeat workloads, {cpu_name()}, greedy, {new_tokens} new tokens, {prompts} prompts per workload, "
-        f"`specdecode bench --workload repeat --prompts-per-category {prompts} --max-new-tokens {new_tokens}`",
-        "",
-        "| workload | system | tok/s | x target-only | tokens/forward | cached | identical to target-only |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    header = ["workload", "system", "tok/s", "x target-only", "tokens/forward", "cached", "identical to target-only"]
+    rows = []
     for workload in WORKLOADS:
         base = totals[(workload, "target-only")]
         for name in views:
@@ -147,8 +150,13 @@ def _table(totals: dict, views: dict, prompts: int, new_tokens: int) -> str:
                 continue
             rate, base_rate = cell["tokens"] / cell["seconds"], base["tokens"] / base["seconds"]
             per_forward = cell["tokens"] / cell["forwards"] if cell["forwards"] else float("nan")
-            lines.append(
-                f"| {workload} | {name} | {rate:.1f} | {rate / base_rate:.2f}x | {per_forward:.2f} | "
-                f"{int(cell['cached'])}/{int(cell['requests'])} | {int(cell['identical'])}/{int(cell['requests'])} |"
+            requests = int(cell["requests"])
+            rows.append(
+                [workload, name, f"{rate:.1f}", f"{rate / base_rate:.2f}x", f"{per_forward:.2f}"]
+                + [f"{int(cell['cached'])}/{requests}", f"{int(cell['identical'])}/{requests}"]
             )
-    return "\n".join(lines)
+    title = (
+        f"Repeat workloads, {cpu_name()}, greedy, {new_tokens} new tokens, {prompts} prompts per workload, "
+        f"`specdecode bench --workload repeat --prompts-per-category {prompts} --max-new-tokens {new_tokens}`"
+    )
+    return f"{title}\n\n{markdown_table(header, rows)}"

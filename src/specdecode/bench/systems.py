@@ -14,7 +14,6 @@ comparison covers prefill, decoding and all per-step overhead alike.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from specdecode.engine import SpeculativeEngine
 from specdecode.errors import VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary, load_model
 from specdecode.runners import runner_for
+from specdecode.runners.profiling import timed
 
 HF, ENGINE, LLAMACPP = "hf", "specdecode", "llama.cpp"
 
@@ -135,7 +135,7 @@ class HFSystem:
                 out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **options)
             return out[0, len(prompt_ids) :].tolist()
 
-        token_ids, seconds = _timed(run)
+        token_ids, seconds = timed(run)
         return Output(token_ids, seconds, None)
 
 
@@ -149,16 +149,20 @@ class EngineSystem:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Output:
         def run():
             return self.engine.generate(
-                [prompt_ids], max_new_tokens, temperature, seed=seed, speculative=self.spec.speculative
+                [prompt_ids],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed,
+                speculative=self.spec.speculative,
             )[0]
 
-        result, seconds = _timed(run)
+        result, seconds = timed(run)
         return Output(result.token_ids, seconds, result.stats)
 
 
 class LlamaCppSystem:
     """llama.cpp in a worker process of its own, on the target's .gguf file, greedy, with flash
-    attention on (the faster setting where it was measured), with or without its prompt-lookup drafter."""
+    attention on (its faster setting: docs/benchmarks.md), with or without its prompt-lookup drafter."""
 
     def __init__(self, spec: SystemSpec, engine: SpeculativeEngine, gguf: Path, n_ctx: int):
         self.spec = spec
@@ -228,17 +232,3 @@ def load_draft(name: str, engine: SpeculativeEngine, device: str, dtype: str) ->
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
     check_same_vocabulary(engine.tokenizer, tokenizer, engine.target_runner.vocab_size, vocab_size)
     return model
-
-
-def _timed(run):
-    """run()'s result and its wall time; on a GPU, queued kernels are waited for on both sides."""
-    _synchronize()
-    start = time.perf_counter()
-    result = run()
-    _synchronize()
-    return result, time.perf_counter() - start
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

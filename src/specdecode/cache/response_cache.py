@@ -2,7 +2,7 @@
 
 Deterministic: greedy, or sampled with a seed (then everything that decides the drafts is in
 the key too: a seeded sample depends on what was drafted, though its law does not; see
-`engine._cache_key`). The key is a digest of everything else that decides the output: the
+`EngineCaches.key` in cache/engine_caches.py). The key is a digest of everything else that decides the output: the
 model fingerprint (its weights, the runner and the kernels that compute it, the tokenizer,
 the package version), the prompt's token ids, the sampling parameters, the seed, the stop
 strings and EOS ids, the token budget, and torch's thread count at the time of the request.
@@ -74,12 +74,12 @@ def weights_fingerprint(model: torch.nn.Module, tokenizer) -> str:
 
 def runner_variant(runner) -> list:
     """How a runner computes: its class, dtype and device, and on the fast runners each
-    product's kernel (oneDNN's reordered layout, weight-only int8, the padded one-row product),
+    product's kernel (oneDNN's reordered layout, weight-only int8, w8a8, the padded one-row product),
     the attention (one query at a time or batched) and whether it is compiled. A string: a
     runner's name alone (what callers outside the engine may have)."""
     if isinstance(runner, str):
         return [runner]
-    from specdecode.runners.projection import Projection
+    from specdecode.runners.projection import Int8Projection, Projection, weight_limit
 
     products: Counter = Counter()
 
@@ -90,6 +90,8 @@ def runner_variant(runner) -> list:
                 value.pad_one_row,
             )
             products[(*kind, str(value.weight.dtype))] += 1
+        elif isinstance(value, Int8Projection):  # w8a8: the weight codes' range decides the bits
+            products[("w8a8", weight_limit(), str(None if value.bias is None else value.bias.dtype))] += 1
         elif depth < 3 and isinstance(value, list | tuple):
             for item in value:
                 visit(item, depth + 1)
@@ -115,7 +117,7 @@ def kernel_fingerprint() -> list:
     """What chooses the kernels and how they sum, beyond the weights: torch's and transformers'
     versions, torch's build (its oneDNN and MKL versions, the CPU capability ATen dispatches
     to: torch.__config__.show()), the float32 matmul precision, torch's thread count (float32
-    products split their sums by threads: 1 and 2 threads gave other bits), and the CPU's model,
+    products split their sums by threads, so another count can give other bits), and the CPU's model,
     instruction-set extensions and the variables that cap them (cpu.kernel_choices)."""
     import transformers
 

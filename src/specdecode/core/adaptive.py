@@ -36,6 +36,11 @@ PROBE_EVERY = (4, 64)  # target-only steps between probes: first, then doubling 
 # the node budgets a tree policy chooses from (and k_max itself, the largest): a ladder, so
 # that each size is asked often enough to be measured
 TREE_SIZES = (0, 2, 4, 8, 12, 16, 24, 32)
+# the most nodes of a tree where no k is asked for (a tree drafter on a target that verifies trees):
+# on the fast runner's tree kernel, verifying up to this many new tokens costs little more than
+# one, and past it the cost grows about linearly (benchmarks/results/tree-attention.md); each
+# step's size below it is AdaptiveTree's choice
+DEFAULT_TREE_NODES = 16
 TREE_MEMORY = 0.99  # weight a tree size's measurement keeps per step: about the last 100 steps count
 TREE_BONUS = 0.5  # tokens of optimism for a size measured once (AdaptiveTree.bonus)
 
@@ -82,8 +87,7 @@ class StepCosts:
         nearest measured size's cost; None before any step.
 
         Beyond the sizes measured the guess is optimistic on purpose: forward costs rise in
-        steps, not lines (on CPU: flat from 4 to 8 tokens, then from 9 to 16, measured in
-        benchmarks/results/lookup-ceiling-float32.md), and an optimistic guess gets a larger
+        steps, not lines (benchmarks/results/tree-attention.md), and an optimistic guess gets a larger
         k tried and so measured, where a pessimistic one would never be corrected."""
         if n in self.seconds:
             return self.seconds[n]
@@ -133,8 +137,7 @@ class _Policy:
             return 0
         # A probe drafts the most k: it refreshes every position's acceptance and the draft cost.
         # One-token probes refreshed a_1 alone, so an early, low a_2 held a good drafter off for
-        # good (measured: a bfloat16 self-draft accepted 92-97% gave 1.25-1.56x at k = 4 and
-        # 0.92-1.02x adaptive). Probes get rarer while they fail.
+        # good (benchmarks/results/earlier-measurements.md). Probes get rarer while they fail.
         self._off_steps, self._probe_every = 0, min(2 * self._probe_every, PROBE_EVERY[1])
         return k_max
 

@@ -13,6 +13,7 @@ from specdecode.cache import DraftStore, model_fingerprint
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
+from specdecode.drafters.head import HeadDrafter, is_head_folder, load_head
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.recycling import RecyclingDrafter
@@ -22,7 +23,17 @@ from specdecode.errors import InvalidArgumentError, VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary
 from specdecode.runners import ModelRunner, runner_for
 
-DRAFTERS = ("auto", "model", "prompt-lookup", "recycling", "suffix", "self-quantized", "cross-tokenizer", "none")
+DRAFTERS = (
+    "auto",
+    "model",
+    "prompt-lookup",
+    "recycling",
+    "suffix",
+    "self-quantized",
+    "cross-tokenizer",
+    "head",
+    "none",
+)
 
 Loader = Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
 
@@ -31,7 +42,7 @@ Loader = Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
 class DrafterOptions:
     """How a drafter named in from_pretrained (or the CLI) is built."""
 
-    adaptive: bool = True  # choose k <= num_speculative_tokens per step from measurements (core/adaptive.py)
+    adaptive: bool = True  # choose k <= num_speculative_tokens (k) per step from measurements (core/adaptive.py)
     min_ngram: int = 1  # prompt lookup: shortest n-gram matched
     max_ngram: int = 3  # prompt lookup: longest n-gram matched, tried first
     max_continuation: int | None = None  # prompt lookup: most tokens copied per step (None: k)
@@ -74,6 +85,11 @@ def check_drafter_name(name: str, draft: object) -> None:
         raise InvalidArgumentError(
             f"drafter '{name}' needs a draft model: pass draft=NAME (--draft in the CLI)", "draft"
         )
+    if name == "head" and draft is None:
+        raise InvalidArgumentError(
+            "drafter 'head' needs a draft head folder: pass draft=DIR (--draft; specdecode train-draft makes one)",
+            "draft",
+        )
 
 
 def make_drafter(
@@ -85,7 +101,7 @@ def make_drafter(
     runner: str,
     options: DrafterOptions,
     store: DraftStore | None = None,
-) -> Drafter | AutoDrafter | None:
+) -> Drafter | None:
     """The drafter `name` drafting for target (a runner with `.model`), draft loaded by `load`;
     store: the cross-request draft store, for `suffix` and `auto`."""
     check_drafter_name(name, draft)
@@ -105,9 +121,20 @@ def make_drafter(
     if name == "self-quantized":
         quantization = options.draft_quantization or "bfloat16"
         return self_quantized_drafter(target.model, quantization, options.min_confidence)
-    model_drafter = (
-        _draft_model_drafter(name, draft, target, tokenizer, load, runner, options) if draft is not None else None
-    )
+    if name == "head" and not is_head_folder(draft):
+        raise InvalidArgumentError(
+            f"{draft} is no draft head folder (config.json, head.safetensors, vocabulary.json): "
+            "make one with specdecode train-draft --output DIR",
+            "draft",
+        )
+    if name in ("head", "auto") and is_head_folder(
+        draft
+    ):  # the head reads the target's embedding, norm and head rows: before they are freed
+        model_drafter = HeadDrafter(load_head(draft, target.model), tree=trees)
+    elif draft is not None:
+        model_drafter = _draft_model_drafter(name, draft, target, tokenizer, load, runner, options)
+    else:
+        model_drafter = None
     if name == "auto" and trees:
         # recycling (prompt lookup inside) always has a tree to propose; the lookup tree and the
         # draft store after it draft for seeded samples, which skip recycling (its table depends

@@ -50,8 +50,7 @@ class ModelDrafter:
         self._cached = CachedSequence(self.runner)
         # the draft's prefill, here rather than in the first propose(): timed as drafting, it
         # made the first draft of every request look several times dearer than the next ones,
-        # and adaptive k switch a draft model off that paid (measured: a bfloat16 self-draft
-        # of the float32 default model gave 1.25-1.56x at k = 4 and 1.00-1.19x adaptive)
+        # and adaptive k switched off a draft model that paid (benchmarks/results/earlier-measurements.md)
         if 1 < len(prompt_ids) <= self.runner.max_length:
             self._cached.logits(prompt_ids[:-1])
 

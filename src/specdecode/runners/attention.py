@@ -50,9 +50,8 @@ def _sdpa(
 ) -> torch.Tensor:  # [heads, n, d]
     """One attention call, with the query heads that share a key/value head (grouped-query
     attention) stacked as rows of that head's queries: [kv_heads, group * n, d]. The CPU's
-    flash kernel pays a fixed cost per head, and enable_gqa pays it for every query head;
-    grouped, one query over 200 keys costs ~23 us instead of ~91 (measured on the default
-    model's shapes, bfloat16, 2 threads)."""
+    flash kernel pays a fixed cost per head, and enable_gqa pays it for every query head, so
+    grouping costs a fraction (benchmarks/results/earlier-measurements.md)."""
     heads, n, d = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads

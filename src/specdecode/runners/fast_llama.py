@@ -18,6 +18,7 @@ match transformers' to float rounding (tests/test_fast_runners.py states the tol
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
@@ -26,12 +27,23 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.runners import tree_attention
+from specdecode.runners import smoothing, tree_attention
 from specdecode.runners.attention import attend, per_query_by_default
-from specdecode.runners.projection import Projection, projection
+from specdecode.runners.projection import (
+    Int8Projection,
+    Projection,
+    has_vnni,
+    int8_projection,
+    int8_supported,
+    projection,
+)
 from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache, append
 
+logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+QUANTIZATIONS = (None, "int8-weight-only", "w8a8")  # what the runner's products may be (precision.py names them)
+PRODUCTS = ("qkv", "o", "gate_up", "down", "head")  # a layer's products, and the output head
+CALIBRATION_TOKENS = 512  # the default smoothing calibration's length
 INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
 
 
@@ -55,14 +67,47 @@ def _rope_type(config) -> str:
     return rope_parameters.get("rope_type", "default")
 
 
+_Product = Union[Projection, Int8Projection]
+
+
+@dataclass(frozen=True)
+class Int8Recipe:
+    """What w8a8 does: which products it leaves in the model's dtype (names from PRODUCTS), and
+    SmoothQuant's smoothing (smoothing.py; alpha, 0 for none), calibrated on a forward of
+    `calibration` (token ids; empty: CALIBRATION_TOKENS ids drawn uniformly from the vocabulary
+    with a fixed seed, so that no text is needed and the model is the same at every load). The
+    default quantizes every product, the head too, and smooths all but o (whose input comes from
+    attention, with no weight before it to fold into): benchmarks/int8.py measures each choice's
+    perplexity and speed (docs/quantization.md)."""
+
+    keep_float: tuple[str, ...] = ()
+    smoothing: float = 0.5
+    calibration: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        unknown = set(self.keep_float) - set(PRODUCTS)
+        if unknown:
+            raise ValueError(f"unknown products {sorted(unknown)}; choose among {PRODUCTS}")
+        if not 0 <= self.smoothing <= 1:
+            raise ValueError(f"smoothing is SmoothQuant's alpha, in [0, 1], not {self.smoothing}")
+
+    def calibration_ids(self, vocab_size: int) -> torch.Tensor:  # [n] int64
+        if self.calibration:
+            return torch.tensor(self.calibration)
+        return torch.randint(0, vocab_size, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(0))
+
+    def quantizes(self, product: str) -> bool:
+        return product not in self.keep_float
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: Projection  # hidden -> (heads + 2 * kv_heads) * head_dim, with a bias in Qwen2
-    o: Projection  # heads * head_dim -> hidden, with a bias in Llama with attention_bias=True
+    qkv: _Product  # hidden -> (heads + 2 * kv_heads) * head_dim, with a bias in Qwen2
+    o: _Product  # heads * head_dim -> hidden, with a bias in Llama with attention_bias=True
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: Projection  # hidden -> 2 * intermediate
-    down: Projection  # intermediate -> hidden
+    gate_up: _Product  # hidden -> 2 * intermediate
+    down: _Product  # intermediate -> hidden
 
 
 @dataclass(frozen=True)
@@ -89,8 +134,16 @@ _Plan = Union[_Bound, torch.Tensor, None]
 
 class FastLlamaRunner(StaticCacheRunner):
     """On the model's device and dtype: one sequence in `self.cache` (forward), or several, each
-    with a cache of its own (forward_batch, new_cache). quantization="int8" stores the layers'
-    products as weight-only int8 (the embedding and output head stay as they are).
+    with a cache of its own (forward_batch, new_cache). quantization="int8-weight-only" stores
+    the layers' products as weight-only int8 (the embedding and output head stay as they are);
+    "w8a8" runs them on int8 weights and per-row int8 activations (projection.Int8Projection;
+    which products, `int8`), exact by construction: integer sums do not depend on the rows
+    beside a row. Embeddings, norms, attention and the KV cache stay in the model's dtype.
+
+    `hidden_layers` (default none): after each forward, `hidden` holds the hidden states
+    entering those decoder layers (index L, the number of layers: the last layer's output before
+    the final norm) for every new row, [n, len(hidden_layers), hidden] (forward) or a list of
+    them per sequence (forward_batch), in the model's dtype, from the same forward.
 
     Speculation is lossless only if verifying a token among k others gives the logits that
     decoding it alone would. Other rows in a product or in an attention call can change a
@@ -134,9 +187,20 @@ class FastLlamaRunner(StaticCacheRunner):
         """Which attention decoding and verification run (the response cache fingerprints it)."""
         return tree_attention.kernel_identity() if self.verifies_trees else "sdpa"
 
-    def __init__(self, model: PreTrainedModel, quantization: str | None = None):
+    def __init__(self, model: PreTrainedModel, quantization: str | None = None, int8: Int8Recipe | None = None):
         if not supports(model):
             raise ValueError(f"FastLlamaRunner does not support {model.config.model_type} models")
+        quantization = "int8-weight-only" if quantization == "int8" else quantization  # the older name
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS[1:]}")
+        if quantization == "w8a8" and not (model.device.type == "cpu" and int8_supported()):
+            raise ValueError("w8a8 runs on oneDNN's int8 products, on the CPU; this torch or device has none")
+        self.quantization = quantization
+        self.int8 = (int8 or Int8Recipe()) if quantization == "w8a8" else None
+        if self.int8 is not None and not has_vnni():
+            logger.warning(
+                "w8a8: this CPU has no VNNI (AVX512-VNNI, AVX-VNNI or AMX): weights in 7 bits keep its sums exact"
+            )
         config = model.config
         self.model = model
         self.num_heads = config.num_attention_heads
@@ -148,9 +212,18 @@ class FastLlamaRunner(StaticCacheRunner):
         self.device, self.dtype = model.device, model.dtype
         self.embed = model.get_input_embeddings().weight
         self.final_norm = model.model.norm.weight
-        # the output head stays in the model's dtype (int8 would cost too much accuracy here)
-        self.lm_head = projection(model.get_output_embeddings().weight, None, None)
-        self.layers = [_fuse(layer, quantization) for layer in model.model.layers]
+        smooth = self.int8 is not None and self.int8.smoothing > 0
+        maxima = smoothing.input_maxima(model, self.int8.calibration_ids(self.vocab_size)) if smooth else None
+        # the output head stays in the model's dtype unless a w8a8 recipe quantizes it
+        head = model.get_output_embeddings().weight
+        if smooth and self.int8.quantizes("head"):
+            with torch.no_grad():  # folded weights keep no autograd graph (it would hold float copies)
+                s = smoothing.factors(maxima[-1]["head"], head, self.int8.smoothing)  # [hidden]
+                self.final_norm, head = (self.final_norm.float() / s).to(self.final_norm.dtype), head.float() * s
+        self.lm_head = self._product("head", head, None)
+        self.layers = [self._fuse(layer, maxima[i] if smooth else None) for i, layer in enumerate(model.model.layers)]
+        self._hidden_layers: tuple[int, ...] = ()
+        self.hidden: torch.Tensor | list[torch.Tensor] | None = None  # see hidden_layers
         self._rotary = model.model.rotary_emb
         self.per_query_attention = per_query_by_default(self.dtype, self.device)
         # the kernel takes any head size, padding to 16 lanes; the runner keeps it for multiples
@@ -178,8 +251,26 @@ class FastLlamaRunner(StaticCacheRunner):
         parents: torch.Tensor | None = None,  # [n] int64, parents within the new tokens (-1: none); None: a chain
     ) -> torch.Tensor:  # [num_logits, vocab]
         if parents is None:  # a chain: the call as it was before trees (spies and subclasses may rely on it)
-            return self.forward_batch([self.cache], [token_ids], [num_logits])[0]
-        return self.forward_batch([self.cache], [token_ids], [num_logits], parents=[parents])[0]
+            logits = self.forward_batch([self.cache], [token_ids], [num_logits])[0]
+        else:
+            logits = self.forward_batch([self.cache], [token_ids], [num_logits], parents=[parents])[0]
+        if self.hidden is not None:
+            self.hidden = self.hidden[0]
+        return logits
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Which hidden states the next forwards keep in `hidden` (layer i's input; i = number of
+        layers: the last layer's output, before the final norm); () keeps none."""
+        return self._hidden_layers
+
+    @hidden_layers.setter
+    def hidden_layers(self, layers) -> None:
+        layers = tuple(int(i) for i in layers)
+        if any(not 0 <= i <= len(self.layers) for i in layers):
+            raise ValueError(f"hidden_layers {layers}: each in 0..{len(self.layers)}")
+        self._hidden_layers = layers
+        self.hidden = None
 
     @torch.inference_mode()
     def forward_batch(
@@ -212,8 +303,14 @@ class FastLlamaRunner(StaticCacheRunner):
             for cache, n, m, tree in zip(caches, sizes, num_logits, trees)
         ]
         kv = [(cache.keys, cache.values, cache.length) for cache in caches]
-        compiled = self._compiled_layers is not None and len(caches) == 1 and plans[0] is None
-        x = (self._compiled_layers if compiled else self._layers)(x, cos, sin, kv, sizes, plans)
+        keep = self._hidden_layers
+        compiled = self._compiled_layers is not None and len(caches) == 1 and plans[0] is None and not keep
+        kept: dict[int, torch.Tensor] = {}  # layer index -> [sum n_i, hidden], filled by _layers
+        if compiled:
+            x = self._compiled_layers(x, cos, sin, kv, sizes, plans)
+        else:
+            x = self._layers(x, cos, sin, kv, sizes, plans, keep, kept)
+        self.hidden = list(torch.stack([kept[i] for i in keep], dim=1).split(sizes)) if keep else None
         for cache, n, p in zip(caches, sizes, parents):
             cache.advance(n, None if p is None else p.tolist())
         ends = itertools.accumulate(sizes)
@@ -272,11 +369,11 @@ class FastLlamaRunner(StaticCacheRunner):
         (inductor), attending one query at a time through SDPA (the tree attention kernel is
         off, and with it trees: verifies_trees becomes False). Batches of sequences and
         prefills stay eager. The first forward of each
-        size compiles: about a minute per size for the default model on 2 cores; inductor keeps
+        size compiles, which is slow (docs/speed.md); inductor keeps
         the code on disk, so later processes pay less. Exactness holds as in eager: a verified
         token's logits are bitwise those of decoding it alone, compiled too
-        (tests/test_compiled.py). benchmarks/compiled.py measures what it gains: nothing
-        measurable on a 2-core AMD EPYC, where the products are ~70% of a forward."""
+        (tests/test_compiled.py). benchmarks/compiled.py measures what it gains, where the
+        products, which it cannot speed up, are most of a forward (docs/speed.md)."""
         # a graph per forward size (1 to k + 1 tokens); the cache length is a symbol in each
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # round every bfloat16 intermediate as eager does: inductor otherwise keeps fused chains
@@ -293,11 +390,17 @@ class FastLlamaRunner(StaticCacheRunner):
         kv: list[tuple[list[torch.Tensor], list[torch.Tensor], int]],  # per sequence: keys, values, cached length
         sizes: list[int],  # n_i
         plans: list[_Plan],  # per sequence, how its new tokens attend
+        keep: tuple[int, ...] = (),  # layers whose input to put in `kept` (len(layers): the output)
+        kept: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [sum n_i, hidden], the last layer's output
         for i, layer in enumerate(self.layers):
+            if i in keep:
+                kept[i] = x
             x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.eps), cos, sin, kv, sizes, plans)
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
+        if len(self.layers) in keep:
+            kept[len(self.layers)] = x
         return x
 
     def _attention(
@@ -354,19 +457,50 @@ class FastLlamaRunner(StaticCacheRunner):
         cos, sin = self._rotary(self.embed[:1][None], positions)  # transformers' own rope tables
         self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
 
+    @torch.no_grad()  # folded weights keep no autograd graph (it would hold float copies of them)
+    def _fuse(self, layer: torch.nn.Module, maxima: dict[str, torch.Tensor] | None = None) -> _Layer:
+        """maxima (smoothing): the calibration's largest input magnitudes of the layer's products."""
+        attn, mlp = layer.self_attn, layer.mlp
+        q_k_v = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv_bias = torch.cat([p.bias for p in q_k_v]) if attn.q_proj.bias is not None else None
+        # the parameters themselves where nothing is folded into them (release_model_weights moves them)
+        attn_norm, mlp_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        qkv, gate, up, down = (
+            torch.cat([p.weight for p in q_k_v]),
+            mlp.gate_proj.weight,
+            mlp.up_proj.weight,
+            mlp.down_proj.weight,
+        )
+        if maxima is not None:
+            alpha = self.int8.smoothing
+            if self.int8.quantizes("down"):
+                s = smoothing.factors(maxima["down"], down, alpha)  # [intermediate]
+                up, down = (up.float() / s[:, None]).to(up.dtype), down.float() * s
+            gate_up = torch.cat([gate, up])
+            if self.int8.quantizes("qkv"):
+                s = smoothing.factors(maxima["qkv"], qkv, alpha)
+                attn_norm, qkv = (attn_norm.float() / s).to(attn_norm.dtype), qkv.float() * s
+            if self.int8.quantizes("gate_up"):
+                s = smoothing.factors(maxima["gate_up"], gate_up, alpha)
+                mlp_norm, gate_up = (mlp_norm.float() / s).to(mlp_norm.dtype), gate_up.float() * s
+        else:
+            gate_up = torch.cat([gate, up])
+        return _Layer(
+            attn_norm=attn_norm,
+            qkv=self._product("qkv", qkv, qkv_bias),
+            o=self._product("o", attn.o_proj.weight, attn.o_proj.bias),
+            mlp_norm=mlp_norm,
+            gate_up=self._product("gate_up", gate_up, None),
+            down=self._product("down", down, None),
+        )
 
-def _fuse(layer: torch.nn.Module, quantization: str | None) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    q_k_v = (attn.q_proj, attn.k_proj, attn.v_proj)
-    qkv_bias = torch.cat([p.bias for p in q_k_v]) if attn.q_proj.bias is not None else None
-    return _Layer(
-        attn_norm=layer.input_layernorm.weight,  # the parameters themselves (release_model_weights moves them)
-        qkv=projection(torch.cat([p.weight for p in q_k_v]), qkv_bias, quantization),
-        o=projection(attn.o_proj.weight, attn.o_proj.bias, quantization),
-        mlp_norm=layer.post_attention_layernorm.weight,
-        gate_up=projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization),
-        down=projection(mlp.down_proj.weight, None, quantization),
-    )
+    def _product(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> _Product:  # weight [out, in]
+        if self.int8 is not None and self.int8.quantizes(name):
+            bias = None if bias is None else bias.to(self.dtype)
+            return int8_projection(weight, bias)
+        if name == "head" or self.quantization != "int8-weight-only":
+            return projection(weight, bias, None)
+        return projection(weight, bias, "int8")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

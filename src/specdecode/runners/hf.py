@@ -29,6 +29,11 @@ class HFModelRunner:
     batch_invariant = False  # transformers' kernels round a row by what shares its product
     compilable = False
     verifies_trees = False  # its attention takes no tree mask whose rows keep their one-token bits
+    # layer i: the hidden state entering decoder layer i; L (the number of layers): the last
+    # layer's output before the final norm. Set: every forward keeps them for its new rows in
+    # `hidden` [n_new, len(hidden_layers), hidden] (a draft head reads them); (): nothing kept
+    hidden_layers: tuple[int, ...] = ()
+    hidden: torch.Tensor | None = None
 
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
@@ -51,8 +56,7 @@ class HFModelRunner:
         """Free the original weights of the layers a bitsandbytes model runs on oneDNN's
         products (rowwise.make_rows_exact), which hold a copy; the model still runs. On the CPU
         bitsandbytes repacks each 4-bit layer on its first forward, through temporaries that
-        glibc keeps (measured: ~100 MB on the default model): one forward now, then the memory
-        goes back too."""
+        glibc keeps: one forward now, then that memory goes back too."""
         for module in self._copied:
             module.to("meta")
         self._copied = []
@@ -77,12 +81,17 @@ class HFModelRunner:
         if not self.rolls_back and self._length > 0 and count > 1:
             # after a cached prefix a recurrent layer goes on one token at a time (transformers'
             # Mamba starts a longer chunk's scan from a zero state), as generate runs it
-            rows = [self.forward(token_ids[i : i + 1], 1) for i in range(count)]
+            rows, hidden = [], []
+            for i in range(count):
+                rows.append(self.forward(token_ids[i : i + 1], 1))
+                hidden.append(self.hidden)
+            self.hidden = torch.cat(hidden) if self.hidden_layers else None
             return torch.cat(rows[count - num_logits :])
         verification = self._rows_exact and self._length > 0 and count > 1
         saved = self._saved_states()
+        self.hidden = None
         try:
-            with verifying() if verification else contextlib.nullcontext():
+            with verifying() if verification else contextlib.nullcontext(), self._recording() as recorded:
                 out = self.model(
                     input_ids=token_ids.to(self.device)[None],
                     cache=self._cache,  # updated in place
@@ -95,7 +104,34 @@ class HFModelRunner:
             self._restore(saved)
             raise
         self._length += count
+        if self.hidden_layers:
+            self.hidden = torch.stack([recorded[i] for i in self.hidden_layers], dim=1)  # [n, layers, hidden]
         return out.logits[0, -num_logits:].float().cpu()
+
+    @contextlib.contextmanager
+    def _recording(self):
+        """Hooks that record the hidden states of hidden_layers (the class comment) by layer
+        index, from this forward; none when nothing is asked. transformers' own
+        output_hidden_states gives its last entry after the final norm, so hooks on the decoder
+        layers read the inputs and the last output directly."""
+        recorded: dict[int, torch.Tensor] = {}
+        if not self.hidden_layers:
+            yield recorded
+            return
+        layers = decoder_layers(self.model)
+        hooks = []
+        for i in set(self.hidden_layers):
+            if not 0 <= i <= len(layers):
+                raise ValueError(f"hidden layer {i} out of 0..{len(layers)}: the model has {len(layers)} layers")
+            if i < len(layers):
+                hooks.append(layers[i].register_forward_pre_hook(_input_recorder(recorded, i), with_kwargs=True))
+            else:
+                hooks.append(layers[-1].register_forward_hook(_output_recorder(recorded, i)))
+        try:
+            yield recorded
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions; where they cannot be taken back (a recurrent
@@ -174,6 +210,32 @@ class HFModelRunner:
                 if state.shape[-1] - removed < needed:
                     return False
         return True
+
+
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers (Llama family: model.layers; GPT-2: transformer.h)."""
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layers of a {type(model).__name__}")
+
+
+def _input_recorder(recorded: dict[int, torch.Tensor], index: int):
+    def hook(module, args, kwargs):
+        value = args[0] if args else kwargs["hidden_states"]  # [1, n, hidden]
+        recorded[index] = value[0]
+
+    return hook
+
+
+def _output_recorder(recorded: dict[int, torch.Tensor], index: int):
+    def hook(module, args, output):
+        value = output[0] if isinstance(output, tuple) else output  # [1, n, hidden]
+        recorded[index] = value[0]
+
+    return hook
 
 
 def _copy_state(attributes: dict) -> dict:

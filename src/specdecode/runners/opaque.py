@@ -5,8 +5,8 @@ as a custom operator, opaque to inductor:
 - a oneDNN product with a reordered weight: inductor cannot lower a weight in oneDNN's
   blocked layout, and would otherwise fail to compile the forward;
 - a write of new rows into a layer's KV cache, in place: functionalized, the write became a
-  copy of the layer's whole cache (and a copy back), which made the compiled forward 2x
-  slower than the eager one (measured on the default model, bfloat16, 2 threads).
+  copy of the layer's whole cache (and a copy back), which made the compiled forward slower
+  than the eager one (benchmarks/results/earlier-measurements.md).
 """
 
 from __future__ import annotations

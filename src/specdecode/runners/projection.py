@@ -9,16 +9,17 @@ machine, so `specdecode profile --quantize int8` measures it rather than assumin
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specdecode.cpu import has_amx, has_avx512
+from specdecode.cpu import cpu_flags, has_amx, has_avx512
 from specdecode.runners.opaque import onednn_linear
 
 QUANTIZATIONS = (None, "int8")
-ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for; 1-500 rows measured no slower
+ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for (other counts run as fast)
 ONEDNN_INVARIANT_ROWS = 32  # most rows per oneDNN product whose results do not depend on each other
 ONE_ROW_SAME_INPUTS = 1024  # most inputs for which oneDNN's one-row kernel sums as its many-row one
 
@@ -35,17 +36,13 @@ class Projection:
     bias: torch.Tensor | None = None  # [out]
     scales: torch.Tensor | None = None  # [out], only for an int8 weight
     reordered: bool = False
-    # oneDNN's one-row kernel may round a row differently from its kernel for 2-32 rows: on an
-    # AMD EPYC with AVX512-BF16 and no AMX, products of more than 1024 inputs (a guess: its sum
-    # is blocked otherwise beyond that) gave some rows other bits alone than beside others, in bfloat16 depending
-    # on the data (~1e-4 of the outputs), in float32 nearly all; up to 1024 inputs, none of
-    # 262144 outputs differed, for 64 to 1024 inputs, in either dtype (measured, 256 rows, 1 vs
-    # 5 rows a product). On AMX CPUs 1 to 32 rows agreed in bfloat16. So one row runs padded to
-    # two where it has more than 1024 inputs, without AMX, and in float32 also with AMX, whose
-    # tiles do not multiply float32 (its kernels are the AVX-512 ones measured above); on CPUs
-    # without AVX-512, whose kernels were not measured, always (_pads_one_row). Padding
-    # costs a second row of a memory-bound product: a one-row product of SmolLM2's 960 x 576
-    # q|k|v weight took 45 us alone and 61 us padded.
+    # oneDNN's one-row kernel may round a row differently from its kernel for 2-32 rows (where
+    # and how often: benchmarks/results/earlier-measurements.md): without AMX, products of more
+    # than 1024 inputs gave some rows other bits alone than beside others, and none up to 1024;
+    # with AMX, 1 to 32 rows agreed in bfloat16. So one row runs padded to two beyond 1024
+    # inputs without AMX, in float32 also with AMX (whose tiles do not multiply float32), and
+    # always on CPUs without AVX-512, whose kernels were not checked (_pads_one_row). Padding
+    # costs a second row of a memory-bound product: less than a second product.
     pad_one_row: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
@@ -55,7 +52,7 @@ class Projection:
         if not self.reordered:
             return F.linear(x, self.weight, self.bias)
         # oneDNN computes a row the same whatever rows share its product up to 32 rows,
-        # not beyond (measured): in chunks of 32 a row never depends on its batch
+        # not beyond (tests/test_fast_runners.py): in chunks of 32 a row never depends on its batch
         if x.shape[0] <= ONEDNN_INVARIANT_ROWS:  # decoding and verification: no copy
             return self._onednn(x)
         # a last chunk of one row takes the one-row kernel too: padded where that differs
@@ -86,12 +83,10 @@ def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: st
     bias = bias.detach() if bias is not None else None
     if quantization is None and onednn_layout(weight):
         # F.linear reorders a half-precision weight for oneDNN on every call, and runs float32
-        # through MKL, whose products of 2-16 rows cost 2-4x one row; reordered once, oneDNN
-        # runs 1-16 rows for about the cost of one (measured on the default model, 2 threads:
-        # a float32 forward of 1 token 37 -> 18 ms, of 5 tokens 56-59 -> 19-22 ms; bfloat16
-        # products of one row 24.9 -> 16.2 ms) and computes each row the same whatever rows
-        # share its product (what exact verification and batching need). bfloat16 results
-        # are F.linear's bit for bit.
+        # through MKL, whose products of several rows cost several times one row; reordered
+        # once, oneDNN runs 1-16 rows for about the cost of one (docs/speed.md) and computes
+        # each row the same whatever rows share its product (what exact verification and
+        # batching need). bfloat16 results are F.linear's bit for bit.
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
         bias = bias.clone() if bias is not None else None  # all of it apart from the model's tensors
         return Projection(reordered, bias, reordered=True, pad_one_row=_pads_one_row(weight))
@@ -116,8 +111,8 @@ def _pads_one_row(weight: torch.Tensor) -> bool:  # [out, in]
 
 def onednn_layout(weight: torch.Tensor) -> bool:
     """Whether a weight is kept reordered for oneDNN: on a CPU build with it, whose processor
-    oneDNN runs that dtype on (its float16 path needs AVX512-FP16 or AVX-NE-CONVERT: an AMD
-    EPYC with AVX-512 but neither was seen to refuse it)."""
+    oneDNN runs that dtype on (its float16 path needs AVX512-FP16 or AVX-NE-CONVERT, and
+    refuses a CPU with AVX-512 but neither)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -133,5 +128,104 @@ def onednn_supports(dtype: torch.dtype) -> bool:
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), ONEDNN_ROWS)
     except RuntimeError:
+        return False
+    return True
+
+
+# oneDNN's instruction-set caps below VNNI (every other cap includes it)
+ISAS_WITHOUT_VNNI = ("SSE41", "AVX", "AVX2", "AVX512_CORE")
+ACTIVATION_ZERO_POINT = 128  # int8 activations travel as uint8 codes + 128, the kernel's u8 x s8 form
+
+
+@dataclass(frozen=True)
+class Int8Projection:
+    """y = x W^T + b with int8 weights and int8 activations (the `w8a8` quantization): W holds
+    int8 codes per output channel (one float scale each), every row of x is quantized on a scale
+    of its own, from that row alone, and oneDNN's prepacked kernel sums code products in int32.
+
+    Why a row's result cannot depend on the rows beside it: integer sums are exact whatever the
+    kernel's blocking or the row count, the kernel's epilogue multiplies each sum by its column's
+    weight scale (one float product per element: one rounding, the same in every kernel), and
+    the row's own scale is applied after, element by element. tests/test_int8.py checks it bit
+    for bit, with a negative control (one activation scale for the whole batch).
+
+    On CPUs without VNNI (AVX512-VNNI, AVX-VNNI or AMX), oneDNN multiplies u8 x s8 pairs into
+    saturating 16-bit sums; weights of 7 bits (|code| <= 63) keep every pair sum in range, so the
+    sums stay exact there too (`weight_limit`)."""
+
+    weight: torch.Tensor  # oneDNN's prepacked int8 weight (torch.ops.onednn.qlinear_prepack)
+    scales: torch.Tensor  # [out] float32: the weight scale of each output channel
+    zero_points: torch.Tensor  # [out] int64 zeros: symmetric weights
+    bias: torch.Tensor | None  # [out], in the activations' dtype
+    shape: tuple[int, int]  # (out, in)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] in x's dtype
+        codes, row_scales = quantize_rows(x)
+        sums = torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, ACTIVATION_ZERO_POINT, self.weight, self.scales, self.zero_points,
+            None, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        y = (sums * row_scales).to(x.dtype)  # [n, out]
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def is_copy(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this product keeps: one int8 code per weight, a float scale per channel."""
+        out, inputs = self.shape
+        return (
+            out * inputs
+            + out * (self.scales.element_size() + self.zero_points.element_size())
+            + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        )
+
+
+def quantize_rows(
+    x: torch.Tensor,  # [n, in]
+) -> tuple[torch.Tensor, torch.Tensor]:  # uint8 codes [n, in] (zero point 128), float32 scales [n, 1]
+    """Each row on its own symmetric scale: its largest magnitude maps to 127."""
+    x = x.float()
+    scales = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)
+    codes = torch.round(x / scales).add_(ACTIVATION_ZERO_POINT).to(torch.uint8)
+    return codes, scales
+
+
+def int8_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Projection:  # weight [out, in]
+    """The w8a8 product of a float weight: int8 codes per output channel, prepacked for oneDNN."""
+    weight = weight.detach().float()
+    limit = weight_limit()
+    scales = weight.abs().amax(dim=1).clamp_min(1e-30) / limit  # [out] float32
+    codes = torch.round(weight / scales[:, None]).clamp_(-limit, limit).to(torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(codes, [1, weight.shape[1]])
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
+    bias = bias.detach().clone() if bias is not None else None
+    return Int8Projection(packed, scales, zero_points, bias, (weight.shape[0], weight.shape[1]))
+
+
+def weight_limit() -> int:
+    """The largest weight code: 127 with VNNI, else 63 (see Int8Projection)."""
+    return 127 if has_vnni() else 63
+
+
+def has_vnni() -> bool:
+    """Whether oneDNN's int8 products sum u8 x s8 pairs in 32 bits here (VNNI or AMX). A cap on
+    oneDNN's instruction set below VNNI (ONEDNN_MAX_CPU_ISA) counts as none."""
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
+    if capped in ISAS_WITHOUT_VNNI:
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+
+
+@functools.cache
+def int8_supported() -> bool:
+    """Whether this torch build has oneDNN's int8 products and they run here; asked once."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return False
+    try:
+        int8_projection(torch.ones(16, 16), None)(torch.ones(2, 16))
+    except (RuntimeError, AttributeError):
         return False
     return True

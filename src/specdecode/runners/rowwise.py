@@ -5,11 +5,10 @@ a time, and the layers left in float on the fast path's row-independent products
 A verification forward runs k + 1 new queries at once, and SDPA computes them in one
 product whose rounding depends on how many queries share it. In float32 that moves the
 last bits, rarely an argmax; but a bitsandbytes model rounds every quantized layer's input
-to bfloat16, which turns those bits into whole bfloat16 steps. Measured on the default model
-in nf4 (5 tokens after a prompt): logits 0.22 apart between one 5-token forward and five
-one-token forwards with transformers' SDPA; with this attention the hidden states are
-identical (the float32 output layer leaves 4e-5, as in float32 models), and speculative
-output equals the quantized model's own greedy `generate` (benchmarks/quantization.py).
+to bfloat16, which turns those bits into whole bfloat16 steps, enough to flip greedy choices
+(benchmarks/results/earlier-measurements.md). With this attention a token's hidden states are
+those of decoding it alone, and speculative output equals the quantized model's own greedy
+`generate` (tests/test_quantization.py, benchmarks/quantization.py).
 
 So a forward with several new queries after a cache runs each query alone, against the keys
 it would see alone (its own position and before), exactly as one-token decoding calls SDPA.
@@ -106,8 +105,8 @@ def make_rows_exact(model: PreTrainedModel) -> list[torch.nn.Linear]:
 def _run_on_onednn(linear: torch.nn.Linear) -> None:
     """F.linear rounds a row by the rows beside it (float32: MKL) or by the row count (one-row
     bfloat16 kernels on CPUs without AMX): verified rows then leave their one-token bits, and
-    bfloat16 steps flip greedy choices (measured on the default model in nf4 with bfloat16
-    down projections: 2 of 4 prompts drifted). The fast path's products keep each row's bits
+    bfloat16 steps flip greedy choices (benchmarks/results/earlier-measurements.md). The fast
+    path's products keep each row's bits
     (projection.Projection), and read their reordered weight faster."""
     product = projection(linear.weight, linear.bias, None)
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from specdecode import precision
 from specdecode.cpu import cpu_flags
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import load_config, quantization_of, resolve_device
@@ -43,9 +44,16 @@ def runner_for(model: PreTrainedModel, runner: str = "auto", quantization: str |
         )
     if quantization is None:
         return fast(model) if fast is not None else HFModelRunner(model)
+    if runner == "transformers":
+        raise InvalidArgumentError(
+            f"{quantization} quantizes the products of the Llama-family fast runner, which the transformers "
+            "runner does not run: leave the runner at auto (or fast)",
+            "quantization",
+        )
     if fast is not FastLlamaRunner:
         raise InvalidArgumentError(
-            f"--quantize {quantization} runs on the Llama-family fast runner, not on {model.config.model_type} models"
+            f"{quantization} runs on the Llama-family fast runner, not on {model.config.model_type} models",
+            "quantization",
         )
     return FastLlamaRunner(model, quantization)
 
@@ -58,31 +66,23 @@ def _fast_runner_class(model: PreTrainedModel) -> type | None:
 
 
 def auto_dtype(config: PretrainedConfig, device: torch.device, runner: str, quantization: str | None) -> torch.dtype:
-    """What `--dtype auto` loads: the fastest precision in which speculation is shown exact here.
-    bfloat16 on a CPU that multiplies it natively (AVX512-BF16 or AMX), for models a fast path
-    runs: their verifications and batches give each token its one-token logits bit for bit
-    there (tests/test_fast_runners.py), and bfloat16 reads half the bytes (benchmarks/fast_path.py:
-    74.9 against 49.2 tokens/s on an AMD EPYC with AVX512-BF16). And bfloat16 for 4-bit
-    bitsandbytes targets there: their layers compute in bfloat16 anyway, and rowwise.py makes
-    their verification exact (tests/test_real_model.py). float32 everywhere else: transformers'
-    runner, LLM.int8 and CUDA are not shown exact in half precision, and a CPU without those
-    instructions runs bfloat16 slower than float32."""
+    """What `--dtype auto` loads for this model: precision.resolve_dtype's rule, given whether a
+    fast path runs it and whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX, and
+    oneDNN's bfloat16 products)."""
     native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and onednn_supports(torch.bfloat16)
-    if device.type != "cpu" or not native:
-        return torch.float32
-    if quantization is not None:
-        return torch.bfloat16 if quantization in ("nf4", "fp4") else torch.float32
-    if runner == "transformers":
-        return torch.float32
-    fast = _fast_runner_class(SimpleNamespace(config=config))  # supports() reads the config alone
-    return torch.bfloat16 if fast is not None else torch.float32
+    fast = _fast_runner_class(SimpleNamespace(config=config)) is not None  # supports() reads the config alone
+    return precision.resolve_dtype(
+        "auto", device, fast_path=fast, runner=runner, quantization=quantization, native_bfloat16=native
+    )
 
 
 def chosen_dtype(
     dtype: str, target: str, device: str, runner: str, quantization: str | None, trust_remote_code: bool = False
 ) -> str:
-    """dtype as loading takes it, with "auto" decided by auto_dtype from the target's config."""
-    if dtype != "auto":
-        return dtype
+    """dtype as loading takes it (its canonical name), with "auto" decided by auto_dtype from the
+    target's config."""
+    named = precision.dtype_named(dtype)
+    if named is not None:
+        return named.name
     config = load_config(target, trust_remote_code)
     return str(auto_dtype(config, resolve_device(device), runner, quantization)).removeprefix("torch.")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -24,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.runners.slots import kv_bytes_per_token
+from specdecode.server.config import ServerConfig
 from specdecode.server.errors import APIError, error_response, install_error_handlers
 from specdecode.server.faults import StepHook
 from specdecode.server.metrics import ServerMetrics
@@ -38,41 +41,34 @@ logger = logging.getLogger("specdecode.server")
 
 def create_app(
     engine: SpeculativeEngine,
-    model_name: str = "specdecode",
-    api_key: str | None = None,
-    max_waiting: int = 64,
-    max_body_bytes: int = 1 << 20,
-    max_batch_size: int = 16,
-    max_request_seconds: float = 600.0,
-    faults: StepHook | None = None,
+    config: ServerConfig | None = None,
+    *,
     start_worker: bool = True,
-    kv_cache_gb: float | None = None,
+    faults: StepHook | None = None,
     tracing: Tracing | None = None,
     metrics_text: Callable[[], Awaitable[bytes]] | None = None,
-    metrics_without_key: bool = False,
+    **settings,
 ) -> FastAPI:
-    """An app serving `engine` as `model_name`. With an `api_key`, every route but /health
-    needs it: /v1, /metrics (unless metrics_without_key: for a Prometheus that cannot send
-    it) and /openapi.json; the /docs and /redoc pages are off (a browser cannot send the key
-    their requests need).
+    """An app serving `engine` as the config's served_name, with its limits (ServerConfig; the
+    default one where None). With an api_key, every route but /health needs it: /v1, /metrics
+    (unless metrics_without_key: for a Prometheus that cannot send it) and /openapi.json; the
+    /docs and /redoc pages are off (a browser cannot send the key their requests need).
 
-    max_waiting: requests queued beyond the running batch before new ones get 429.
-    max_body_bytes: larger request bodies get 413 (counted as they are read, whatever the framing).
-    max_batch_size: requests decoded together (continuous batching, decoder.py).
-    kv_cache_gb: the most GiB the batch's KV caches may take, each up to the engine's
-    max_model_len tokens (None: no limit); see batch_size_for_budget.
-    max_request_seconds: a request still running this long after it arrived fails with 504.
-    faults: a hook that fails engine steps on purpose (server/faults.py), for tests.
+    settings: fields of the config to replace (`create_app(engine, max_batch_size=1)`).
     start_worker: False when the caller runs `app.state.worker.run()` in a thread of its own
     (`specdecode serve` runs it in the main thread, which is faster).
+    faults: a hook that fails engine steps on purpose (server/faults.py), for tests.
     tracing: OpenTelemetry spans of every request (server/tracing.py; None: off, at no cost).
     metrics_text: what /metrics answers (default: this app's own metrics); a Ray replica
     answers every replica's (ray_serve.py).
     """
-    if kv_cache_gb is not None:
-        max_batch_size = batch_size_for_budget(engine, max_batch_size, kv_cache_gb)
-    metrics = ServerMetrics(model_name)
-    worker = EngineWorker(engine, metrics, max_waiting, max_batch_size, max_request_seconds, faults)
+    config = replace(config or ServerConfig(), **settings)
+    if config.kv_cache_gb is not None:
+        config = replace(
+            config, max_batch_size=batch_size_for_budget(engine, config.max_batch_size, config.kv_cache_gb)
+        )
+    metrics = ServerMetrics(config.served_name)
+    worker = EngineWorker(engine, metrics, config, faults)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -83,19 +79,19 @@ def create_app(
         if tracing is not None:
             await asyncio.to_thread(tracing.flush)
 
-    keyed = api_key is not None
+    keyed = config.api_key is not None
     # with a key, FastAPI's own /openapi.json, /docs and /redoc are off; the schema is served below, keyed
     pages = dict(openapi_url=None, docs_url=None, redoc_url=None) if keyed else {}
     app = FastAPI(title="specdecode", lifespan=lifespan, **pages)
-    app.state.server = ServerState(engine, worker, metrics, model_name, api_key, tracing)
+    app.state.server = ServerState(engine, worker, metrics, config, tracing)
     app.state.worker, app.state.metrics = worker, metrics
     install_error_handlers(app, metrics)
 
     def body_too_large(size: str) -> JSONResponse:
-        message = f"the request body has {size}; the limit is {max_body_bytes} bytes"
+        message = f"the request body has {size}; the limit is {config.max_body_bytes} bytes"
         return error_response(APIError(413, message, code="body_too_large"), metrics)
 
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes, refuse=body_too_large)
+    app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes, refuse=body_too_large)
     app.include_router(v1)
     if tracing is not None:
         tracing.instrument(app)
@@ -109,7 +105,7 @@ def create_app(
     async def own_metrics() -> bytes:
         return generate_latest(metrics.registry)
 
-    metrics_access = [] if metrics_without_key else [Depends(check_api_key)]
+    metrics_access = [] if config.metrics_without_key else [Depends(check_api_key)]
 
     @app.get("/metrics", dependencies=metrics_access)
     async def prometheus_metrics() -> PlainTextResponse:
@@ -124,18 +120,48 @@ def create_app(
     return app
 
 
+def app_from_config(
+    config: ServerConfig,
+    engine: SpeculativeEngine | None = None,
+    *,
+    start_worker: bool = True,
+    faults: StepHook | None = None,
+    metrics_text: Callable[[], Awaitable[bytes]] | None = None,
+) -> FastAPI:
+    """The app `serve`, each Ray replica and `batch` build: over `engine` (default: one loaded
+    here from the config), traced as the OTEL_* variables and otel_console ask."""
+    return create_app(
+        engine if engine is not None else config.engine(),
+        config,
+        start_worker=start_worker,
+        faults=faults,
+        tracing=tracing_from_environment(config.otel_console),
+        metrics_text=metrics_text,
+    )
+
+
+def tracing_from_environment(console: bool) -> Tracing | None:
+    """OpenTelemetry tracing as the OTEL_* variables ask, and to the console when asked; None
+    (off: the SDK is not even imported) when neither."""
+    otel = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if not console and not any(os.environ.get(name) for name in otel):
+        return None
+    from specdecode.server.tracing import from_environment
+
+    return from_environment(console)
+
+
 def batch_size_for_budget(engine: SpeculativeEngine, max_batch_size: int, kv_cache_gb: float) -> int:
     """The batch size whose KV caches fit in kv_cache_gb GiB when every sequence holds all of
     max_model_len: max_batch_size if it fits; fewer, logged, if not; and an error (the server
-    does not start) if not even one sequence fits, since a full-length request could not run.
+    does not start) if not even one sequence fits, since a full-length request could not run
+    (kv_cache_gb is positive: ServerConfig checks it).
 
     A sequence's cache grows with it, to at most max_model_len positions of
     kv_bytes_per_token each (2 x layers x key/value heads x head dim x dtype size), and
     shrinks back when it ends (runners/slots.py), so this bounds the slots' caches. Not
     counted: the weights, activations, a draft model's cache, and the copy a cache briefly
     needs while it doubles."""
-    if not kv_cache_gb > 0:
-        raise InvalidArgumentError(f"--kv-cache-gb must be positive, got {kv_cache_gb}", "kv_cache_gb")
     per_token = kv_bytes_per_token(engine.target_runner)
     per_sequence = engine.max_model_len * per_token
     budget = int(kv_cache_gb * 2**30)

@@ -19,6 +19,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _DRAFT_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+_TREE_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # the tree policy's ladder (core/adaptive.py)
 # the bucket boundaries the GenAI semantic conventions advise for each histogram
 _GEN_AI_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _GEN_AI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -132,6 +133,29 @@ class ServerMetrics:
             buckets=_DRAFT_LENGTH_BUCKETS,
             registry=r,
         )
+        # trees (a tree step verifies several candidates per position; its tokens per forward
+        # are 1 + its accepted depth): mean accepted depth = accepted depth / tree steps
+        self.tree_steps = Counter(
+            "specdecode:spec_decode_num_tree_steps",
+            "Verification steps that verified a draft tree (not a chain).",
+            registry=r,
+        )
+        self.tree_nodes = Counter(
+            "specdecode:spec_decode_num_tree_nodes",
+            "Draft nodes of the trees verified (every candidate, accepted or not).",
+            registry=r,
+        )
+        self.tree_accepted_depth = Counter(
+            "specdecode:spec_decode_tree_accepted_depth",
+            "Accepted depths of the tree steps, summed: the tree nodes the target accepted (its accepted paths).",
+            registry=r,
+        )
+        self.tree_size = Histogram(
+            "specdecode:spec_decode_tree_size",
+            "Nodes per tree step: the tree size the policy chose (what the drafter proposed).",
+            buckets=_TREE_SIZE_BUCKETS,
+            registry=r,
+        )
         # the estimated speedup over target-only decoding: the ratio of these two rates
         self.decode_step_seconds = Counter(
             "specdecode:spec_decode_step_seconds",
@@ -236,6 +260,12 @@ class ServerMetrics:
         for k, steps in stats.drafted_histogram.items():
             for _ in range(steps):  # one observation per step (a few dozen per request)
                 self.draft_length.observe(k)
+        self.tree_steps.inc(stats.tree_steps)
+        self.tree_nodes.inc(stats.tree_nodes)
+        self.tree_accepted_depth.inc(stats.tree_accepted_depth)
+        for size, steps in stats.tree_histogram.items():
+            for _ in range(steps):
+                self.tree_size.observe(size)
 
     def _position(self, position: int) -> str:
         """A draft position's label. A request's k is at most the engine's, so the last one is

@@ -1,6 +1,6 @@
 """`specdecode batch --ray`: a batch file answered by N engine actors on a Ray cluster.
 
-Each actor builds the server's app from the ServerSpec and answers lines as the in-process
+Each actor builds the server's app from the ServerConfig and answers lines as the in-process
 run does (batch.answer), `concurrency` at once, so its continuous batching decodes them
 together. The driver hands the lines out round-robin and writes each answer as it arrives
 (batch.write_answers: resumable, every line exactly once). An actor that dies is restarted by
@@ -18,18 +18,19 @@ from pathlib import Path
 import ray
 from fastapi.testclient import TestClient
 
+from specdecode.server.app import app_from_config
 from specdecode.server.batch import answer, write_answers
+from specdecode.server.config import ServerConfig
 from specdecode.server.ray_cluster import set_threads
-from specdecode.server.spec import ServerSpec
 
 ACTOR_PREFIX = "specdecode-batch-"
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class BatchActor:
-    def __init__(self, spec: ServerSpec, cpus: float):
+    def __init__(self, config: ServerConfig, cpus: float):
         set_threads(cpus)
-        self.client = TestClient(spec.app())
+        self.client = TestClient(app_from_config(config))
         self.client.__enter__()  # starts the app's engine worker; it ends with the actor
 
     def answer(self, line: dict) -> dict:
@@ -37,7 +38,7 @@ class BatchActor:
 
 
 def run_batch_on_ray(
-    spec: ServerSpec,
+    config: ServerConfig,
     todo: list[dict],
     output: Path,
     replicas: int,
@@ -50,8 +51,8 @@ def run_batch_on_ray(
     actors = [
         # named, so that an operator (or a test) can find them: ray.util.list_named_actors()
         BatchActor.options(
-            name=f"{ACTOR_PREFIX}{run}-{i}", num_cpus=replica_cpus, max_concurrency=spec.max_batch_size
-        ).remote(spec, replica_cpus)
+            name=f"{ACTOR_PREFIX}{run}-{i}", num_cpus=replica_cpus, max_concurrency=config.max_batch_size
+        ).remote(config, replica_cpus)
         for i in range(replicas)
     ]
 

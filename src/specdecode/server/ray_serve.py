@@ -1,7 +1,7 @@
 """`specdecode serve --ray`: N engine replicas on a Ray cluster behind one OpenAI endpoint.
 
 Each replica is the single-process server's app (create_app over its own SpeculativeEngine
-and continuous-batching worker), built on its replica from a ServerSpec; Ray Serve's proxy
+and continuous-batching worker), built on its replica from a ServerConfig; Ray Serve's proxy
 routes each request to a replica (fewest ongoing requests of two sampled), restarts a replica
 whose actor died or whose engine thread stopped (check_health), and scales between
 --min-replicas and --max-replicas when asked. The decode loop never leaves its replica: a
@@ -30,8 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from specdecode.errors import SpecDecodeError
+from specdecode.server.app import app_from_config
+from specdecode.server.config import ServerConfig
 from specdecode.server.ray_cluster import set_threads
-from specdecode.server.spec import ServerSpec
 
 APP_NAME = "specdecode"
 
@@ -44,7 +45,7 @@ class Scaling:
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # per replica, that the autoscaler aims for
 
-    def deployment_options(self, spec: ServerSpec) -> dict:
+    def deployment_options(self, config: ServerConfig) -> dict:
         actor_options: dict = {"num_cpus": self.replica_cpus}
         if otel := otel_variables():
             # on a cluster from `ray start`, a replica has that command's environment, not
@@ -53,7 +54,7 @@ class Scaling:
         options = dict(
             ray_actor_options=actor_options,
             # the replica's own queue (429 beyond max_waiting) decides; Ray only routes
-            max_ongoing_requests=spec.max_batch_size + spec.max_waiting,
+            max_ongoing_requests=config.max_batch_size + config.max_waiting,
             health_check_period_s=5,
         )
         if self.min_replicas is None and self.max_replicas is None:
@@ -82,12 +83,12 @@ def otel_variables() -> dict[str, str]:
 class EngineReplica:
     """One engine and its worker, serving the OpenAI routes of create_app."""
 
-    def __init__(self, spec: ServerSpec, replica_cpus: float):
+    def __init__(self, config: ServerConfig, replica_cpus: float):
         set_threads(replica_cpus)
         context = serve.get_replica_context()
         self.replica = context.replica_tag
         self._deployment = (context.deployment, context.app_name)
-        self.server_app = spec.app(metrics_text=self.every_replicas_metrics)  # `app` is Serve's own
+        self.server_app = app_from_config(config, metrics_text=self.every_replicas_metrics)  # `app` is Serve's own
 
     def __serve_build_asgi_app__(self):
         return self.server_app
@@ -134,17 +135,15 @@ class _Fixed:
         return self.families
 
 
-def serve_until_signalled(
-    spec: ServerSpec, scaling: Scaling, host: str, port: int, on_ready: Callable[[], None]
-) -> None:
-    """Start Serve's HTTP proxy on host:port and the replicas, call on_ready once every replica
+def serve_until_signalled(config: ServerConfig, scaling: Scaling, on_ready: Callable[[], None]) -> None:
+    """Start Serve's HTTP proxy on the config's host and port and the replicas, call on_ready once every replica
     is up, and serve until SIGINT or SIGTERM; then take the app down (other apps on the
     cluster stay). A signal during start-up takes it down too: replicas must not outlive the
     command that started them."""
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        serve.start(http_options={"host": host, "port": port})
-        app = EngineReplica.options(**scaling.deployment_options(spec)).bind(spec, scaling.replica_cpus)
+        serve.start(http_options={"host": config.host, "port": config.port})
+        app = EngineReplica.options(**scaling.deployment_options(config)).bind(config, scaling.replica_cpus)
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as error:  # Serve's message holds every replica's traceback

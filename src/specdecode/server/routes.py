@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
+from specdecode.core.checks import seeds_for
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.server import schemas
+from specdecode.server.config import ServerConfig
 from specdecode.server.errors import API_NAMES, APIError
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.streaming import outcomes, stream
@@ -43,10 +45,17 @@ class ServerState:
     engine: SpeculativeEngine
     worker: EngineWorker
     metrics: ServerMetrics
-    model_name: str
-    api_key: str | None
+    config: ServerConfig
     tracing: Tracing | None = None  # OpenTelemetry spans (tracing.py); None: off
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_name
+
+    @property
+    def api_key(self) -> str | None:
+        return self.config.api_key
 
     @property
     def context_length(self) -> int:
@@ -149,7 +158,7 @@ def _generation_requests(
     templated: bool = False,
     messages: list[dict] | None = None,
 ) -> list[GenerationRequest]:
-    """The worker's requests, one per choice (n), choice i seeded seed + i when a seed is given;
+    """The worker's requests, one per choice (n), choice i seeded seed + i (seeds_for) when a seed is given;
     checked first: the model's name, OpenAI's own bounds, then the engine's checks. max_tokens
     None: up to the end of the context. Whether prompt + max_tokens fits in max_model_len is
     checked on the engine thread, which tokenizes the prompt (worker.py)."""
@@ -172,11 +181,18 @@ def _generation_requests(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     top_k = None if body.top_k == -1 else body.top_k  # vLLM's "off"
     k = body.speculative.num_speculative_tokens if body.speculative is not None else None
-    seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
+    seeds = seeds_for(body.seed, body.n)
     for seed in seeds:
         try:
-            checked_max_tokens = state.context_length if max_tokens is None else max_tokens
-            state.engine.settings(checked_max_tokens, temperature, top_k, body.top_p, seed, stop or None, k)
+            state.engine.settings(
+                max_new_tokens=state.context_length if max_tokens is None else max_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=body.top_p,
+                seed=seed,
+                stop=stop or None,
+                num_speculative_tokens=k,
+            )
         except SpecDecodeError as error:
             raise APIError(400, str(error), param=API_NAMES.get(error.param, error.param)) from None
     operation = "chat" if isinstance(body, schemas.ChatCompletionRequest) else "text_completion"

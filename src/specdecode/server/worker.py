@@ -33,7 +33,8 @@ from specdecode.decoder import Sequence
 from specdecode.drafters import candidates_of
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import GenerationResult, SpeculativeEngine, make_generator
-from specdecode.errors import ContextLengthError
+from specdecode.errors import ContextLengthError, SpecDecodeError
+from specdecode.server.config import ServerConfig
 from specdecode.server.faults import StepHook
 from specdecode.server.metrics import ServerMetrics
 
@@ -114,15 +115,14 @@ class EngineWorker:
         self,
         engine: SpeculativeEngine,
         metrics: ServerMetrics,
-        max_waiting: int = 64,
-        max_batch_size: int = 16,
-        max_request_seconds: float = 600.0,
+        config: ServerConfig | None = None,
         faults: StepHook | None = None,
     ):
+        """config: its max_waiting, max_batch_size and max_request_seconds (default: ServerConfig's)."""
         self.engine, self.metrics, self.faults = engine, metrics, faults
-        self.max_waiting, self.max_request_seconds = max_waiting, max_request_seconds
+        self.config = config = config or ServerConfig()
         self.decoder = engine.decoder
-        self.decoder.capacity = engine.batch_capacity(max_batch_size)
+        self.decoder.capacity = engine.batch_capacity(config.max_batch_size)
         self._queue: queue.Queue[RequestHandle] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._stopping = False
@@ -150,9 +150,9 @@ class EngineWorker:
 
     def run(self) -> None:
         """The engine loop, in the calling thread, until stop(). torch's CPU thread pool runs
-        about 30% faster driven from the process's main thread than from another one (measured
-        on the development machine), so `specdecode serve` runs this in its main thread and
-        the HTTP server in another. A crash of the loop restarts it: in-flight requests resume."""
+        faster driven from the process's main thread than from another one, so `specdecode
+        serve` runs this in its main thread and the HTTP server in another. A crash of the
+        loop restarts it: in-flight requests resume."""
         self._running.set()
         try:
             while True:
@@ -185,12 +185,12 @@ class EngineWorker:
         return self._running.is_set()
 
     def submit(self, request: GenerationRequest, trace=None) -> RequestHandle:
-        handle = RequestHandle(request, request.arrival + self.max_request_seconds, trace)
+        handle = RequestHandle(request, request.arrival + self.config.max_request_seconds, trace)
         with self._submit_lock:  # check and put together, so the bound holds under concurrent submits
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down; send the request to another instance")
-            if self._queue.qsize() >= self.max_waiting:
-                raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
+            if self._queue.qsize() >= self.config.max_waiting:
+                raise QueueFullError(f"{self.config.max_waiting} requests are already waiting; retry later")
             self._queue.put(handle)
         return handle
 
@@ -208,9 +208,9 @@ class EngineWorker:
 
     def _fail_everything(self, error: Exception) -> None:
         for seq in list(self.decoder.active):
-            self._fail(seq, error)
+            self._end(seq.tag, seq, error=error)
         while not self._queue.empty():
-            self._resolve(self._queue.get_nowait(), error=error)
+            self._end(self._queue.get_nowait(), error=error)
 
     def _recover(self) -> None:
         """After a crash of the loop. A sequence that finished in the step the crash interrupted
@@ -220,16 +220,12 @@ class EngineWorker:
         left half-written caches)."""
         for seq in list(self.decoder.active):
             if seq.finish is not None:
-                try:
-                    self._complete(seq)
-                except Exception as error:  # noqa: BLE001 - answered here or never (decoder.remove let it go)
-                    self._resolve(seq.tag, error=error)
+                self._end(seq.tag, seq)
                 continue
             seq.tag.crashes += 1
             if seq.tag.crashes >= MAX_CRASHES:
-                self._fail(
-                    seq, WorkerCrashedError(f"the engine worker crashed {MAX_CRASHES} times during this request")
-                )
+                crashed = WorkerCrashedError(f"the engine worker crashed {MAX_CRASHES} times during this request")
+                self._end(seq.tag, seq, error=crashed)
         self.decoder.reset()
 
     def _admit(self) -> None:
@@ -241,15 +237,14 @@ class EngineWorker:
                 return
             wait = False
             if handle.cancelled:
-                self._end(handle, "abort")
+                self._end(handle, aborted=True)
                 continue
             self._admit_one(handle)
 
     def _admit_one(self, handle: RequestHandle) -> None:
-        """Start one request: its sequence, a response-cache answer or a batch slot. Whatever
-        fails here is this request's error, answered to it, with its slot given back: the
-        request has left the queue, so an error that reached the loop (a crash) would leave
-        its client waiting for good."""
+        """Start one request, all or nothing: its sequence, a response-cache answer or a batch
+        slot. Whatever fails here is this request's error, answered to it, its sequence out of
+        the batch and its slot given back (_end)."""
         seq = None
         try:
             seq = self._sequence(handle)  # the request's own faults (too long, bad ids) are raised here
@@ -258,33 +253,23 @@ class EngineWorker:
                 if not self._answer_from_cache(seq):
                     self.decoder.add(seq)
         except Exception as error:  # noqa: BLE001 - answered to this request alone; the loop goes on
-            if seq is not None:
-                self._undo_admission(seq)
-            self._resolve(handle, error=error)
-
-    def _undo_admission(self, seq: Sequence) -> None:
-        """Take a sequence whose admission failed part way out of the batch, and free its slot."""
-        active = self.decoder.active
-        if any(s is seq for s in active):
-            active[:] = [s for s in active if s is not seq]
-        if seq.slot is not None:
-            self.decoder.slots.release(seq.slot)
-            seq.slot = None
+            self._end(handle, seq, error=error)
 
     def _answer_from_cache(self, seq: Sequence) -> bool:
         """A deterministic request seen before: answered at once, without a slot or a forward."""
         if seq.cache_key is None:
             return False
-        result = self.engine.cached_result(seq)
-        self.metrics.response_cache.labels("miss" if result is None else "hit").inc()
-        if result is None:
+        answered = self.engine.caches.answer(seq)
+        self.metrics.response_cache.labels("hit" if answered else "miss").inc()
+        if not answered:
             return False
-        seq.stats.wall_time_s = time.perf_counter() - seq.tag.started_at
-        seq.tag.first_token_at = time.perf_counter()
+        handle = seq.tag
+        seq.stats.wall_time_s = time.perf_counter() - handle.started_at
+        handle.first_token_at = time.perf_counter()
         self.metrics.observe_time_to_first_token(
-            seq.tag.request.operation, seq.tag.first_token_at - seq.tag.request.arrival
+            handle.request.operation, handle.first_token_at - handle.request.arrival
         )
-        self._finish(seq.tag, result)
+        self._end(handle, result=self.engine.result(seq))
         return True
 
     def _sequence(self, handle: RequestHandle) -> Sequence:
@@ -295,13 +280,13 @@ class EngineWorker:
             prompt = engine.tokenizer(prompt, add_special_tokens=False).input_ids
         prompt_ids = engine.prompt_token_ids(prompt, chat=False)  # refuses a prompt that leaves no room
         settings = engine.settings(
-            _max_tokens(request.max_tokens, len(prompt_ids), engine.max_model_len),
-            request.temperature,
-            request.top_k,
-            request.top_p,
-            request.seed,
-            request.stop or None,
-            request.num_speculative_tokens,
+            max_new_tokens=_max_tokens(request.max_tokens, len(prompt_ids), engine.max_model_len),
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=request.stop or None,
+            num_speculative_tokens=request.num_speculative_tokens,
         )
         return engine.sequence(prompt_ids, settings, make_generator(request.seed), tag=handle)
 
@@ -309,11 +294,12 @@ class EngineWorker:
         now = time.perf_counter()
         for seq in list(self.decoder.active):
             if seq.tag.cancelled:
-                self._remove(seq)
-                self._end(seq.tag, "abort")
+                self._end(seq.tag, seq, aborted=True)
             elif now > seq.tag.deadline:
-                limit = self.max_request_seconds
-                self._fail(seq, RequestTimeoutError(f"the request ran past the server's limit of {limit:g} s"))
+                limit = self.config.max_request_seconds
+                self._end(
+                    seq.tag, seq, error=RequestTimeoutError(f"the request ran past the server's limit of {limit:g} s")
+                )
 
     def _step(self, sequences: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """One step of every sequence; if it keeps failing, each sequence alone, failing only
@@ -323,14 +309,14 @@ class EngineWorker:
             return self._step_with_retries(sequences)
         except Exception as error:  # noqa: BLE001 - find out whose step it is
             if len(sequences) == 1:
-                self._fail(sequences[0], error)
+                self._end(sequences[0].tag, sequences[0], error=error)
                 return []
         emitted = []
         for seq in sequences:
             try:
                 emitted += self._step_with_retries([seq])
             except Exception as error:  # noqa: BLE001 - this request's failure, answered to it alone
-                self._fail(seq, error)
+                self._end(seq.tag, seq, error=error)
         return emitted
 
     def _step_with_retries(self, sequences: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
@@ -362,41 +348,54 @@ class EngineWorker:
                 handle.first_token_at = now
                 self.metrics.observe_time_to_first_token(handle.request.operation, now - handle.request.arrival)
             if seq.finish is not None:
-                self._complete(seq)
+                self._end(handle, seq)
             elif handle.request.stream and tokens:
                 self._publish_text(handle, self.engine.decode(seq.generated), final=False)
 
-    def _complete(self, seq: Sequence) -> None:
-        handle = seq.tag
-        self._remove(seq)
-        seq.stats.wall_time_s = time.perf_counter() - handle.started_at
+    def _end(
+        self,
+        handle: RequestHandle,
+        seq: Sequence | None = None,
+        *,
+        result: GenerationResult | None = None,
+        error: BaseException | None = None,
+        aborted: bool = False,
+    ) -> None:
+        """The one way a request ends: finished (seq.finish is set: its result is built here),
+        answered from the response cache (result), failed (error) or aborted (its client went
+        away). Its sequence leaves the batch first, whatever part of admission it got through;
+        then, once, its metrics and spans, and its client's answer. Nothing escapes: the
+        request has left the queue, so an error that reached the loop would leave its client
+        waiting for good, and a client that hung up has cancelled the Future, which setting
+        then must not crash the loop."""
         try:
-            result = self.engine.result(seq)
-            with _traced(handle):  # the response cache's write: a Redis call
-                self.engine.remember(seq)
-        except Exception as error:  # noqa: BLE001 - out of the batch already: answer it here or never
-            self._resolve(handle, error=error)
+            if seq is not None:
+                self._leave_batch(seq)
+                if result is None and error is None and not aborted:
+                    result = self._result(seq)
+            if result is not None and error is None and not aborted:
+                self._record(handle, result)
+                if handle.request.stream:
+                    self._publish_text(handle, result.text, final=True)
+        except Exception as failure:  # noqa: BLE001 - this request's failure, answered to it alone
+            result, error = None, failure
+        if handle.done:
             return
-        self._finish(handle, result)
-
-    def _finish(self, handle: RequestHandle, result: GenerationResult) -> None:
+        handle.done = True
+        if error is not None and not isinstance(error, SpecDecodeError):  # a user's mistake is no server failure
+            logger.warning("request failed: %r", error)
+        failure = "abort" if aborted else "" if error is None else type(error).__name__
+        self.metrics.observe_request_end(
+            handle.request.operation, time.perf_counter() - handle.request.arrival, failure
+        )
+        if aborted:
+            self.metrics.requests_finished.labels("abort").inc()
+        if handle.trace is not None:
+            handle.trace.end(handle, result, error, aborted)
         try:
-            self._record(handle, result)
-            if handle.request.stream:
-                self._publish_text(handle, result.text, final=True)
-        except Exception as error:  # noqa: BLE001 - answer it here or never
-            self._resolve(handle, error=error)
-            return
-        self._resolve(handle, result)
-
-    def _resolve(
-        self, handle: RequestHandle, result: GenerationResult | None = None, error: BaseException | None = None
-    ):
-        """Answer the request once, whatever its client did meanwhile: a client that hung up
-        has cancelled the Future, and setting it then must not crash the engine loop."""
-        self._ended(handle, result, error)
-        try:
-            if error is None:
+            if aborted:
+                handle.future.cancel()
+            elif error is None:
                 handle.future.set_result(result)
             else:
                 handle.future.set_exception(error)
@@ -404,40 +403,30 @@ class EngineWorker:
             pass  # cancelled by its client, or answered already
         handle.publish(None)
 
+    def _leave_batch(self, seq: Sequence) -> None:
+        """seq out of the batch, its slot free: one that was admitted part way (a slot taken,
+        then a failure) has a slot but is not in the batch."""
+        if any(s is seq for s in self.decoder.active):
+            with _traced(seq.tag):  # its drafters share the finished sequence: a Redis call with --cache-url
+                self.decoder.remove(seq)
+        elif seq.slot is not None:
+            self.decoder.slots.release(seq.slot)
+            seq.slot = None
+
+    def _result(self, seq: Sequence) -> GenerationResult:
+        """A finished sequence's result, its answer remembered for the next identical request."""
+        seq.stats.wall_time_s = time.perf_counter() - seq.tag.started_at
+        result = self.engine.result(seq)
+        with _traced(seq.tag):  # the response cache's write: a Redis call
+            self.engine.caches.remember(seq)
+        return result
+
     def _publish_text(self, handle: RequestHandle, text: str, final: bool) -> None:
         if not final:
             text = _streamable(text, handle.request.stop)
         if len(text) > handle.streamed_chars:
             handle.publish(text[handle.streamed_chars :])
             handle.streamed_chars = len(text)
-
-    def _fail(self, seq: Sequence, error: BaseException) -> None:
-        if seq.slot is not None:
-            self._remove(seq)
-        logger.warning("request failed: %r", error)
-        self._resolve(seq.tag, error=error)
-
-    def _remove(self, seq: Sequence) -> None:
-        with _traced(seq.tag):  # its drafters share the finished sequence: a Redis call with --cache-url
-            self.decoder.remove(seq)
-
-    def _end(self, handle: RequestHandle, reason: str) -> None:
-        self.metrics.requests_finished.labels(reason).inc()
-        self._ended(handle, aborted=True)
-        handle.future.cancel()
-        handle.publish(None)
-
-    def _ended(self, handle: RequestHandle, result=None, error: BaseException | None = None, aborted=False) -> None:
-        """Before its client hears of it: the request's duration, and its spans when traced."""
-        if handle.done:
-            return
-        handle.done = True
-        failure = "abort" if aborted else "" if error is None else type(error).__name__
-        self.metrics.observe_request_end(
-            handle.request.operation, time.perf_counter() - handle.request.arrival, failure
-        )
-        if handle.trace is not None:
-            handle.trace.end(handle, result, error, aborted)
 
     def _record(self, handle: RequestHandle, result: GenerationResult) -> None:
         m, stats, now = self.metrics, result.stats, time.perf_counter()

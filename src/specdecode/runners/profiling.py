@@ -1,10 +1,14 @@
-"""A measured cost model: what a cached forward costs, beside what the hardware allows.
+"""A measured cost model of a runner (`specdecode profile`): what a cached forward costs, beside
+what the hardware allows.
 
 Two floors bound a forward over n new tokens from below:
 - bandwidth: every weight is read once, whatever n is: weight bytes / read bandwidth;
 - compute: 2 * parameters * n multiply-adds (plus attention) / matrix-product rate.
 A forward near the larger floor cannot get much faster; one far above both is overhead.
 Speculative decoding pays when forward(k + 1) costs little more than forward(1).
+
+The timing primitives here (`timed`, `median_seconds`) are the ones the benchmarks use too
+(specdecode.bench.interleave).
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.runners import ModelRunner
+from specdecode.runners.base import ModelRunner
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,22 +42,27 @@ class ForwardCost:
     compute_floor: float
 
 
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """fn()'s result and its wall time; on a GPU, queued kernels are waited for on both sides."""
+    _synchronize()
+    start = time.perf_counter()
+    result = fn()
+    _synchronize()
+    return result, time.perf_counter() - start
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of repeats calls of fn, after warmup untimed ones (first-call allocations)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed(fn)[1] for _ in range(repeats))
 
 
 def measure_hardware(dtype: torch.dtype = torch.float32, device: str = "cpu") -> Hardware:
-    big = torch.ones(64 * 1024 * 1024, dtype=torch.float32, device=device)  # 256 MB
-    read = median_seconds(lambda: _sync(big.sum()), repeats=5)
+    big = torch.ones(64 * 1024 * 1024, dtype=torch.float32, device=device)  # 256 MB: far beyond any cache
+    read = median_seconds(big.sum, repeats=5)
     a = torch.randn(1024, 1024, dtype=dtype, device=device)
-    product = median_seconds(lambda: _sync(a @ a), repeats=5)
+    product = median_seconds(lambda: a @ a, repeats=5)
     return Hardware(read_bandwidth=big.numel() * 4 / read, matmul_flops=2 * 1024**3 / product)
 
 
@@ -71,12 +83,6 @@ def rss_bytes() -> int:
     """This process's resident memory (Linux: /proc/self/statm)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _sync(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    return x
 
 
 def weight_bytes(model: PreTrainedModel) -> int:
@@ -145,3 +151,8 @@ def render_table(title: str, costs: list[ForwardCost]):
             f"{c.seconds / floor:.1f}",
         )
     return table
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

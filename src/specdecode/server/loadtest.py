@@ -5,11 +5,14 @@ seen). Aggregate output tokens/s is compared with level 1 (one request at a time
 same run, and each greedy answer with level 1's answer to the same request. Clients can
 hang up mid-stream on purpose (`disconnect_rate`): those requests count as disconnected,
 and every other request must come back whole or with an error; none may hang.
+`serve_process` starts a `specdecode serve` of its own, for this and for the scripts in benchmarks/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -195,50 +198,76 @@ def started_server(
         api_base = url.rstrip("/").removesuffix("/v1") + "/v1"
         yield api_base, _served_model(api_base)
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "specdecode.cli",
-        "serve",
-        "--target",
-        target,
-        "--port",
-        str(port),
-        "--max-batch-size",
-        str(max_batch_size),
-        "--dtype",
-        dtype,
-    ] + (["--inject-faults", inject_faults] if inject_faults else [])
-    log = tempfile.NamedTemporaryFile("w+", prefix="specdecode-serve-", suffix=".log", delete=False)  # noqa: SIM115 - the server writes it while it runs
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    args = ["--target", target, "--max-batch-size", str(max_batch_size), "--dtype", dtype]
+    args += ["--inject-faults", inject_faults] if inject_faults else []
+    with serve_process(
+        args, on_start=lambda log: console.status(f"Starting `specdecode serve --target {target}` (log: {log})")
+    ) as base_url:
+        yield base_url, target
+
+
+@contextmanager
+def serve_process(
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    ready_line: str | None = None,
+    stop_signal: int = signal.SIGTERM,
+    timeout_s: float = 900.0,
+    log_path: str | None = None,
+    on_start: Callable[[str], contextlib.AbstractContextManager] = lambda log: contextlib.nullcontext(),
+) -> Iterator[str]:
+    """`specdecode serve ARGS` on a free port, in a process of its own; yields its base URL (.../v1)
+    once it answers /health (or, with ready_line, once its log holds that text: `serve --ray` prints
+    it when every replica is up), then stops it with stop_signal (uvicorn and Ray shut down
+    gracefully on SIGTERM and SIGINT), killing it if it does not end. Its output goes to log_path
+    (default: a new temporary file). on_start(log path): a context around the wait, for a status line."""
+    port = _free_port()
+    command = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(port), *args]
+    if log_path is None:
+        log = tempfile.NamedTemporaryFile("w+", prefix="specdecode-serve-", suffix=".log", delete=False)  # noqa: SIM115 - the server writes it while it runs
+    else:
+        log = open(log_path, "w+")  # noqa: SIM115 - as above
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        with console.status(f"Starting `specdecode serve --target {target}` (log: {log.name})"):
-            _wait_until_healthy(f"http://127.0.0.1:{port}", process, log.name)
-        yield f"http://127.0.0.1:{port}/v1", target
+        with on_start(log.name):
+            _wait_until_ready(f"http://127.0.0.1:{port}", process, log.name, ready_line, timeout_s)
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
-        process.terminate()  # uvicorn shuts down gracefully on SIGTERM
+        process.send_signal(stop_signal)
         try:
-            process.wait(60)
+            process.wait(120)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
+        log.close()
 
 
-def _wait_until_healthy(root: str, process: subprocess.Popen, log_path: str, timeout_s: float = 900.0) -> None:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_ready(
+    root: str, process: subprocess.Popen, log_path: str, ready_line: str | None, timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             last = (Path(log_path).read_text().strip().splitlines() or ["(no output)"])[-1]
             raise SpecDecodeError(f"the server exited with status {process.returncode}: {last}")
-        try:
-            if httpx.get(f"{root}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
+        if _healthy(root) if ready_line is None else ready_line in Path(log_path).read_text():
+            return
         time.sleep(0.5)
-    raise SpecDecodeError(f"the server did not become healthy in {timeout_s:g} s; see {log_path}")
+    raise SpecDecodeError(f"the server did not become ready in {timeout_s:g} s; see {log_path}")
+
+
+def _healthy(root: str) -> bool:
+    try:
+        return httpx.get(f"{root}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def _served_model(api_base: str) -> str:

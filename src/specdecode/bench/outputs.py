@@ -1,4 +1,4 @@
-"""A benchmark's outputs: results.json (every raw measurement), report.md (tables) and plots.
+"""What `specdecode bench` writes: results.json (every raw measurement), report.md (tables) and plots.
 
 Every number in the report is computed here from the measurements; none is typed in.
 """
@@ -11,14 +11,17 @@ from pathlib import Path
 from specdecode.bench.costs import ROUNDS
 from specdecode.bench.environment import summary_line
 from specdecode.bench.harness import BenchResult
-from specdecode.bench.metrics import ALL, Row
 from specdecode.bench.plots import write_plots
+from specdecode.bench.summary import ALL, Row
+from specdecode.bench.tables import fmt, row_line, rule
 
 GROUPS = {
     "a": "transformers `generate`, target only (greedy, or sampling at the same temperature)",
     "b": "transformers assisted generation: `prompt_lookup_num_tokens=k`, or `assistant_model=` with k drafts a step",
     "c": "this engine, target only (`speculative=False`)",
     "d": "this engine with a drafter and k",
+    "e": "llama.cpp's plain decoding (llama-cpp-python, flash attention on), on the target's own .gguf file",
+    "f": "llama.cpp with llama-cpp-python's prompt-lookup drafter (`LlamaPromptLookupDecoding`), on the same file",
 }
 
 
@@ -54,6 +57,14 @@ def render_report(result: BenchResult, plot_files: list[str]) -> str:
         _header(result),
         "## All categories\n\n" + overall_table(result.rows, result.config.greedy),
         "## Speedup over (a) by category\n\n" + _by_category_table(result.rows, "speedup_vs_a", "{:.2f}x"),
+        *(
+            [
+                "## Speedup over (e), llama.cpp, by category\n\n"
+                + _by_category_table(result.rows, "speedup_vs_e", "{:.2f}x")
+            ]
+            if any(s.group == "e" for s in result.specs)
+            else []
+        ),
         "## Tokens/s by category\n\n" + _by_category_table(result.rows, "tokens_per_second", "{:.1f}"),
         "## Acceptance by draft position\n\n" + _position_table(result.rows),
         "## Step costs\n\n" + _costs_table(result),
@@ -73,6 +84,7 @@ def overall_table(rows: list[Row], greedy: bool) -> str:
         ("vs (a)", "speedup_vs_a", "{:.2f}x"),
         ("vs (b)", "speedup_vs_b", "{:.2f}x"),
         ("vs (c)", "speedup_vs_c", "{:.2f}x"),
+        *([("vs (e)", "speedup_vs_e", "{:.2f}x")] if any(r.group == "e" for r in rows) else []),
         ("acceptance", "acceptance_rate", "{:.0%}"),
         ("alpha", "alpha", "{:.2f}"),
         ("tokens/forward", "mean_accepted_length", "{:.2f}"),
@@ -82,10 +94,10 @@ def overall_table(rows: list[Row], greedy: bool) -> str:
         ("measured/predicted", "measured_over_predicted", "{:.2f}"),
         quality,
     ]
-    lines = [_row_line(["", "system", *(title for title, _, _ in columns)]), _rule(len(columns) + 2)]
+    lines = [row_line(["", "system", *(title for title, _, _ in columns)]), rule(len(columns) + 2)]
     for row in (r for r in rows if r.category == ALL):
-        cells = [_fmt(getattr(row, attribute), spec) for _, attribute, spec in columns]
-        lines.append(_row_line([f"({row.group})", row.system, *cells]))
+        cells = [fmt(getattr(row, attribute), spec) for _, attribute, spec in columns]
+        lines.append(row_line([f"({row.group})", row.system, *cells]))
     return "\n".join(lines)
 
 
@@ -93,9 +105,9 @@ def _by_category_table(rows: list[Row], attribute: str, spec: str) -> str:
     categories = list(dict.fromkeys(r.category for r in rows))  # ALL comes last, as summarize orders it
     systems = list(dict.fromkeys(r.system for r in rows))
     value = {(r.system, r.category): getattr(r, attribute) for r in rows}
-    lines = [_row_line(["system", *categories]), _rule(len(categories) + 1)]
+    lines = [row_line(["system", *categories]), rule(len(categories) + 1)]
     for system in systems:
-        lines.append(_row_line([system, *(_fmt(value.get((system, c)), spec) for c in categories)]))
+        lines.append(row_line([system, *(fmt(value.get((system, c)), spec) for c in categories)]))
     return "\n".join(lines)
 
 
@@ -106,12 +118,12 @@ def _position_table(rows: list[Row]) -> str:
     width = max(len(r.acceptance_by_position) for r in speculative)
     lines = [
         "Accepted / drafted at each draft position, all categories.\n",
-        _row_line(["system", *(str(i + 1) for i in range(width))]),
-        _rule(width + 1),
+        row_line(["system", *(str(i + 1) for i in range(width))]),
+        rule(width + 1),
     ]
     for row in speculative:
-        cells = [_fmt(v, "{:.0%}") for v in row.acceptance_by_position]
-        lines.append(_row_line([row.system, *cells, *[""] * (width - len(cells))]))
+        cells = [fmt(v, "{:.0%}") for v in row.acceptance_by_position]
+        lines.append(row_line([row.system, *cells, *[""] * (width - len(cells))]))
     return "\n".join(lines)
 
 
@@ -130,18 +142,22 @@ def _costs_table(result: BenchResult) -> str:
 
 def _differences(result: BenchResult) -> str:
     if not result.differences:
-        return f"None: all {len(result.measurements)} outputs equal (a)'s output for the same prompt, token for token."
+        return (
+            f"None: all {len(result.measurements)} outputs equal their reference's output for the same prompt, "
+            "token for token."
+        )
     lines = [
-        "Where a system's output first differs, the target's two most likely tokens there (one uncached forward "
-        "on (a)'s prefix). A logit gap near zero is a numerical near-tie, not a wrong output.\n",
-        "| system | prompt | run | position | (a) token | its token | top 1 (logit) | top 2 (logit) | gap |",
-        _rule(9),
+        "Where a system's output first differs from its reference's (see Definitions), the target's two most likely "
+        "tokens there (one uncached forward on the reference's prefix). A logit gap near zero is a numerical "
+        "near-tie, not a wrong output.\n",
+        "| system | prompt | run | position | reference's token | its token | top 1 (logit) | top 2 (logit) | gap |",
+        rule(9),
     ]
     for d in result.differences:
         # json.dumps shows spaces and newlines; a | would end the table cell
         top = [f"{t['token']} {json.dumps(t['text'])} ({t['logit']:.4f})".replace("|", "\\|") for t in d.top_two]
         lines.append(
-            _row_line(
+            row_line(
                 [
                     d.system,
                     d.prompt_id,
@@ -175,7 +191,7 @@ def _header(result: BenchResult) -> str:
         "each prompt runs every system once per run, in a new random order, after one warm-up of each",
         "",
         "Systems:",
-        *(f"- ({letter}) {text}" for letter, text in GROUPS.items()),
+        *(f"- ({letter}) {text}" for letter, text in GROUPS.items() if letter in {s.group for s in result.specs}),
     ]
     return "\n".join(lines)
 
@@ -183,8 +199,8 @@ def _header(result: BenchResult) -> str:
 def _definitions(greedy: bool) -> str:
     quality = (
         "identical: the fraction of outputs equal to the reference's output for the same prompt, token for token; "
-        "the reference is (c) for this engine's speculative systems (exact relative to the engine's own "
-        "target-only run) and (a) for the others."
+        "the reference of a speculative system is its own framework's target-only run, (c) for (d) and (e) for (f) "
+        "(speculation is exact relative to the target as that framework runs it), and (a) for the others."
         if greedy
         else "perplexity: exp of the target's mean negative log-likelihood of the generated tokens (temperature 1), "
         "averaged over outputs; systems that sample the target's distribution score alike on average."
@@ -194,9 +210,10 @@ def _definitions(greedy: bool) -> str:
             "## Definitions",
             "",
             "- tok/s: new tokens over wall time (prefill included), summed over prompts; vs (x): the ratio of tok/s "
-            "on the same prompts; (b) is matched by drafter and k.",
+            "on the same prompts; (b) is matched by drafter and k; (e), llama.cpp's plain decoding, where it ran.",
             "- acceptance: accepted / drafted tokens; alpha: the chance a draft token is accepted when all before it "
-            "were (drafts after a rejection are not tested); tokens/forward: new tokens per target forward.",
+            "were (drafts after a rejection are not tested); tokens/forward: new tokens per target forward "
+            "(for (f): per llama.cpp decode call, the prefill's included).",
             "- ms/token p50, p90: percentiles over generations of wall time / new tokens.",
             "- predicted vs (c): Leviathan et al.'s expected tokens per step (1 - alpha^(k+1)) / (1 - alpha), times the "
             "measured 1-token target forward, over the measured step cost (one proposal of k tokens plus one target "
@@ -204,15 +221,3 @@ def _definitions(greedy: bool) -> str:
             f"- {quality}",
         ]
     )
-
-
-def _fmt(value, spec: str) -> str:
-    return "–" if value is None else spec.format(value)
-
-
-def _row_line(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def _rule(columns: int) -> str:
-    return "|" + "---|" * columns

@@ -4,7 +4,11 @@ Throughput is total new tokens over total wall time, as Spec-Bench computes it, 
 generations weigh more than short ones. Speedups compare two systems on the same prompts:
 over (a), transformers' greedy generate; over (b), transformers' assisted generation with
 the same drafter and k; over (c), this engine's target-only loop, which is what the
-predicted speedup predicts, so measured/predicted shows the per-step overhead left.
+predicted speedup predicts, so measured/predicted shows the per-step overhead left; over (e),
+llama.cpp's plain decoding on the same .gguf, where it ran (`--system llama.cpp`).
+
+Acceptance comes from each system's own counts: this engine's stats for (d); for (f), the
+forwards llama.cpp's worker counted (tokens per forward; it reports no accepted tokens).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import numpy as np
 
 from specdecode.bench.costs import ForwardCosts
 from specdecode.bench.measurement import Measurement
-from specdecode.bench.systems import ENGINE, HF, SystemSpec
+from specdecode.bench.systems import ENGINE, HF, LLAMACPP, SystemSpec
 from specdecode.bench.theory import per_token_acceptance, predicted_speedup
 
 ALL = "all"
@@ -36,6 +40,7 @@ class Row:
     speedup_vs_a: float | None = None
     speedup_vs_b: float | None = None
     speedup_vs_c: float | None = None
+    speedup_vs_e: float | None = None  # over llama.cpp's plain decoding; None where it did not run
     acceptance_rate: float | None = None  # accepted / drafted, as the engine counts
     alpha: float | None = None  # per-token acceptance, see theory.per_token_acceptance
     mean_accepted_length: float | None = None  # tokens per target forward
@@ -83,12 +88,15 @@ def _row(spec: SystemSpec, category: str, chosen: list[Measurement], costs: Forw
     else:
         scores = [m.perplexity for m in chosen if m.perplexity is not None]
         row.perplexity = float(np.mean(scores)) if scores else None
-    if spec.framework == ENGINE and spec.speculative:
+    if spec.speculative and spec.framework == ENGINE:
         _add_acceptance(row, [m.stats for m in chosen])
         if row.alpha is not None:
             row.predicted_speedup = predicted_speedup(
                 row.alpha, spec.k, costs.target_s[1], costs.target_s[spec.k + 1], costs.draft_s[spec.series][spec.k]
             )
+    elif spec.speculative and spec.framework == LLAMACPP:
+        forwards = sum(m.stats["target_forwards"] for m in chosen)
+        row.mean_accepted_length = new_tokens / forwards if forwards else None
     return row
 
 
@@ -115,6 +123,7 @@ def _add_speedups(rows: list[Row], specs: list[SystemSpec]) -> None:
     for row in rows:
         spec = spec_of[row.system]
         row.speedup_vs_a = ratio(row, SystemSpec(HF))
+        row.speedup_vs_e = ratio(row, SystemSpec(LLAMACPP))
         if spec.group == "d":
             row.speedup_vs_b = ratio(row, spec.on(HF))
             row.speedup_vs_c = ratio(row, SystemSpec(ENGINE))

@@ -1,0 +1,460 @@
+"""A draft head trained for its target (EAGLE, Li et al. 2024; EAGLE-3's fused features; FR-Spec's
+reduced vocabulary, Zhao et al. 2025): `--drafter head --draft DIR`.
+
+The head is one decoder layer over the target's own hidden states. Row j of its input is
+fc(concat(embedding of token j + 1, h_j)), where h_j is the target's feature at position j (the
+hidden states of `feature_layers`, fused by a Linear when there are several) or, past the tokens
+the target has run, the head's own output of the row before; the layer's output g goes through
+the target's final norm to a reduced output vocabulary: the rows of the target's output head
+for the `draft_vocab_size` tokens most frequent in the training answers (end of sequence
+included). The embedding, the norm and those rows are the target's, frozen: a head directory
+holds only what was trained (`save_head`, `load_head`).
+
+Exactness. The head's q is the softmax over its vocabulary, zero elsewhere: a token it cannot
+propose has q = 0, so the accept/reject rule stays exact when sampling (core/verification.py),
+and greedy drafts are argmaxes, verified like any other. Its features are the target's hidden
+states of tokens already accepted, delivered after each verification by the decoder
+(`learn_hidden`): never anything of the step being verified.
+
+Cache. The head keeps its own small KV cache: rows computed from the target's features are kept
+(and cropped when the sequence's tokens change under them), rows computed from its own outputs
+(the draft) are dropped at the next proposal, as the target's rejected drafts are.
+
+Greedy decoding, for a target that verifies trees, drafts trees as EAGLE-2 does: level by
+level, the `branching` frontier nodes most likely reached offer their `branching` most probable
+children, all of a level in one head forward (each node attends to the prefix, its ancestors
+and itself); the draft is the k offered nodes most likely reached.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.drafters.base import Draft
+from specdecode.drafters.tree import TreeBuilder
+from specdecode.errors import InvalidArgumentError
+
+HEAD_CONFIG, HEAD_WEIGHTS, HEAD_VOCABULARY = "config.json", "head.safetensors", "vocabulary.json"
+TREE_BRANCHING = 4  # children offered per expanded node, and nodes expanded per level
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    feature_layers: tuple[int, ...]  # the target's hidden states it reads (runner.hidden_layers)
+    num_target_layers: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    training: dict = field(default_factory=dict)  # how it was trained: loss, steps, data (informational)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @staticmethod
+    def from_json(text: str) -> HeadConfig:
+        values = json.loads(text)
+        values["feature_layers"] = tuple(values["feature_layers"])
+        return HeadConfig(**values)
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high features: entering layers 2, L/2 and L - 3 (distinct, in range)."""
+    return tuple(sorted({min(2, num_layers), num_layers // 2, max(0, num_layers - 3)}))
+
+
+def head_config(model: PreTrainedModel, feature_layers: tuple[int, ...], draft_vocab_size: int) -> HeadConfig:
+    """A head shaped as one of the target's decoder layers."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 1e4)
+    layers = config.num_hidden_layers
+    if not feature_layers or any(not 0 <= i <= layers for i in feature_layers):
+        raise InvalidArgumentError(f"feature layers must be in 0..{layers}, got {feature_layers}", "feature_layers")
+    return HeadConfig(
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate_size=config.intermediate_size,
+        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope),
+        feature_layers=tuple(sorted(feature_layers)),
+        num_target_layers=layers,
+        target_vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        draft_vocab_size=draft_vocab_size,
+    )
+
+
+def target_parts(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [vocab, hidden] and final norm weight [hidden], as they are."""
+    base = model.base_model
+    norm = getattr(base, "norm", None)
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise InvalidArgumentError(
+            f"the draft head needs a Llama-family target (an RMS final norm), not {model.config.model_type}", "target"
+        )
+    return model.get_input_embeddings().weight, norm.weight
+
+
+class DraftHead(nn.Module):
+    """The trained module; the target's embedding, final norm and head rows are frozen buffers."""
+
+    def __init__(
+        self,
+        config: HeadConfig,
+        embed: torch.Tensor,  # [target vocab, hidden], the target's input embedding
+        norm: torch.Tensor,  # [hidden], the target's final norm weight
+        head_rows: torch.Tensor,  # [draft vocab, hidden], the target's output head rows of `vocabulary`
+        vocabulary: torch.Tensor,  # [draft vocab] int64, target token ids
+    ):
+        super().__init__()
+        self.config = config
+        hidden, fused = config.hidden_size, len(config.feature_layers)
+        # frozen and never saved: a head directory holds what was trained
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        self.register_buffer("norm", norm.detach().float(), persistent=False)
+        self.register_buffer("head_rows", head_rows.detach().float(), persistent=False)
+        self.register_buffer("vocabulary", vocabulary.long(), persistent=False)
+        self.fuse = nn.Linear(fused * hidden, hidden, bias=False) if fused > 1 else None
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = HeadLayer(config)
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+        """The target's hidden states [n, len(feature_layers), hidden] as one feature per row."""
+        hidden = hidden.float()
+        return hidden[:, 0] if self.fuse is None else self.fuse(hidden.flatten(1))
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [n, hidden] h_j: fused target features, or the head's own outputs
+        tokens: torch.Tensor,  # [n] int64, token j + 1 of each row
+        positions: torch.Tensor,  # [n] int64
+        past: tuple[torch.Tensor, torch.Tensor] | None,  # keys, values [kv heads, c, head_dim]
+        mask: torch.Tensor | None,  # [n, c + n] bool, True: attends; None: causal over the n rows
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # g [n, hidden], keys, values [kv, n, d]
+        x = self.fc(torch.cat([self.embed[tokens].float(), features], dim=-1))
+        return self.layer(x, positions, past, mask)
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:  # [n, draft vocab]
+        """Over the head's vocabulary, through the target's final norm."""
+        return _rms_norm(g, self.norm, self.config.rms_norm_eps) @ self.head_rows.T
+
+
+class HeadLayer(nn.Module):
+    """A Llama decoder layer (pre-norm attention with rope, gated SiLU MLP) on one sequence."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.config = config
+        self.attn_norm = nn.Parameter(torch.ones(hidden))
+        self.q = nn.Linear(hidden, config.num_heads * d, bias=False)
+        self.k = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
+        self.v = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
+        self.o = nn.Linear(config.num_heads * d, hidden, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(hidden))
+        self.gate = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, hidden, bias=False)
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        positions: torch.Tensor,  # [n]
+        past: tuple[torch.Tensor, torch.Tensor] | None,  # [kv, c, d] each
+        mask: torch.Tensor | None,  # [n, c + n] bool; None: causal
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c, n = self.config, x.shape[0]
+        h = _rms_norm(x, self.attn_norm, c.rms_norm_eps)
+        q = self.q(h).view(n, c.num_heads, c.head_dim).transpose(0, 1)  # [heads, n, d]
+        k = self.k(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)  # [kv, n, d]
+        v = self.v(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        angles = positions.float()[:, None] * self.inv_freq[None]  # [n, d / 2]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        keys = k if past is None else torch.cat([past[0], k], dim=1)
+        values = v if past is None else torch.cat([past[1], v], dim=1)
+        if mask is None:
+            mask = torch.ones(n, keys.shape[1], dtype=torch.bool).tril(keys.shape[1] - n)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [heads, n, d]
+        x = x + self.o(out.transpose(0, 1).reshape(n, -1))
+        m = _rms_norm(x, self.mlp_norm, c.rms_norm_eps)
+        return x + self.down(F.silu(self.gate(m)) * self.up(m)), k, v
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of x [heads, n, d]; cos, sin [n, d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def new_head(model: PreTrainedModel, config: HeadConfig, vocabulary: torch.Tensor, seed: int) -> DraftHead:
+    """An untrained head for model over vocabulary [draft vocab] (target token ids), seeded."""
+    embed, norm = target_parts(model)
+    rows = model.get_output_embeddings().weight[vocabulary]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DraftHead(config, embed, norm, rows, vocabulary)
+
+
+def save_head(head: DraftHead, folder: str | Path) -> None:
+    """config.json, head.safetensors (the trained weights) and vocabulary.json (target ids)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / HEAD_CONFIG).write_text(head.config.to_json())
+    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, folder / HEAD_WEIGHTS)
+    (folder / HEAD_VOCABULARY).write_text(json.dumps(head.vocabulary.tolist()))
+
+
+def is_head_folder(path: object) -> bool:
+    """Whether path is a folder save_head wrote (a draft head, not a draft model)."""
+    if not isinstance(path, (str, Path)) or not (Path(path) / HEAD_CONFIG).is_file():
+        return False
+    try:
+        return "feature_layers" in json.loads((Path(path) / HEAD_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_head(folder: str | Path, model: PreTrainedModel) -> DraftHead:
+    """A head saved by save_head, for this target (its embedding, norm and head rows)."""
+    folder = Path(folder)
+    if not (folder / HEAD_CONFIG).is_file():
+        raise InvalidArgumentError(f"{folder} holds no draft head ({HEAD_CONFIG} missing): train one", "draft")
+    config = HeadConfig.from_json((folder / HEAD_CONFIG).read_text())
+    embed, norm = target_parts(model)
+    if tuple(embed.shape) != (config.target_vocab_size, config.hidden_size):
+        raise InvalidArgumentError(
+            f"the head in {folder} was trained for a target of vocabulary {config.target_vocab_size} and hidden "
+            f"size {config.hidden_size}, not {tuple(embed.shape)}",
+            "draft",
+        )
+    vocabulary = torch.tensor(json.loads((folder / HEAD_VOCABULARY).read_text()), dtype=torch.long)
+    head = DraftHead(config, embed, norm, model.get_output_embeddings().weight[vocabulary], vocabulary)
+    head.load_state_dict(load_file(folder / HEAD_WEIGHTS))
+    return head.eval()
+
+
+class _HeadCache:
+    """The head's keys and values [kv heads, length, head_dim], grown by doubling; a crop sets length."""
+
+    def __init__(self, config: HeadConfig, capacity: int = 256):
+        shape = (config.num_kv_heads, capacity, config.head_dim)
+        self.keys, self.values, self.length = torch.empty(shape), torch.empty(shape), 0
+
+    def past(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, : self.length], self.values[:, : self.length]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:  # [kv, n, d]
+        end = self.length + keys.shape[1]
+        if end > self.keys.shape[1]:
+            self.keys, self.values = (_grown(t, self.length, end) for t in (self.keys, self.values))
+        self.keys[:, self.length : end] = keys
+        self.values[:, self.length : end] = values
+        self.length = end
+
+
+def _grown(tensor: torch.Tensor, used: int, needed: int, dim: int = 1) -> torch.Tensor:
+    """tensor with room for `needed` entries along dim (at least double), its first `used` kept."""
+    shape = list(tensor.shape)
+    shape[dim] = max(2 * shape[dim], needed, 64)
+    grown = tensor.new_empty(shape)
+    grown.narrow(dim, 0, used).copy_(tensor.narrow(dim, 0, used))
+    return grown
+
+
+class HeadDrafter:
+    """Drafts with a DraftHead from the target's hidden states of the accepted tokens
+    (`hidden_layers`, which the decoder asks the target's runner for, and delivers through
+    `learn_hidden`). A sequence whose features are missing (a runner that keeps none) gets no
+    drafts. Each sequence has a state of its own (fork), the weights shared."""
+
+    name = "head"
+    per_sequence = True
+    depends_on_history = False  # drafts depend on the sequence alone (its tokens and their features)
+
+    def __init__(self, head: DraftHead, tree: bool = False, branching: int = TREE_BRANCHING):
+        """tree: draft trees under greedy decoding (module docstring)."""
+        self.head = head.eval()
+        self.hidden_layers = head.config.feature_layers
+        self.drafts_trees = tree
+        self.branching = branching
+        self.begin([])
+
+    def fork(self) -> HeadDrafter:
+        return HeadDrafter(self.head, self.drafts_trees, self.branching)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        c = self.head.config
+        self._features = torch.empty(0, len(c.feature_layers), c.hidden_size)  # [positions, layers, hidden]
+        self._known = 0  # positions whose target features have been delivered
+        self._cache = _HeadCache(c)
+        self._rows_tokens: list[int] = []  # the tokens the cache's rows were computed from
+        self._true = 0  # leading cache rows computed from target features (the rest: a draft)
+
+    def learn_hidden(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's hidden states [m, len(hidden_layers), hidden] at positions start .. start + m - 1."""
+        end = start + hidden.shape[0]
+        if start > self._known:
+            return  # a gap (features missed): nothing to draft from until the sequence restarts
+        if end > self._features.shape[0]:
+            self._features = _grown(self._features, start, end, dim=0)
+        self._features[start:end] = hidden.float()
+        self._known = end
+        self._true = min(self._true, start)  # rows that read a rewritten feature are computed again
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass  # the cache rolls itself back on the next proposal
+
+    def learn(self, token_ids: list[int], draft: Draft, logits: torch.Tensor) -> None:
+        pass
+
+    def finish(self, token_ids: list[int]) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+        n = len(token_ids)
+        if k <= 0 or n < 2 or self._known < n - 1:
+            return Draft.empty()
+        g = self._catch_up(token_ids)  # [1, hidden], the head's output after the root
+        if self.drafts_trees and params.greedy:
+            return self._tree(token_ids, g, k)
+        return self._chain(token_ids, g, k, params, generator)
+
+    def _catch_up(self, token_ids: list[int]) -> torch.Tensor:  # [1, hidden]
+        """Rows 0 .. n - 2 from the target's features (row j: feature j and token j + 1), those
+        not in the cache run now; the last always runs, for its output."""
+        n = len(token_ids)
+        keep = min(self._true, _common_prefix_length(self._rows_tokens, token_ids) - 1, n - 2)
+        keep = max(keep, 0)
+        self._cache.length = keep
+        rows = torch.arange(keep, n - 1)
+        features = self.head.features(self._features[keep : n - 1])
+        tokens = torch.tensor(token_ids[keep + 1 : n], dtype=torch.long)
+        g, keys, values = self.head(features, tokens, rows, self._cache.past(), None)
+        self._cache.append(keys, values)
+        self._rows_tokens, self._true = list(token_ids), n - 1
+        return g[-1:]
+
+    def _chain(
+        self, token_ids: list[int], g: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        position = len(token_ids) - 1
+        for i in range(k):
+            q = self._q(self.head.logits(g)[0], params)  # [target vocab]
+            tokens.append(int(sample(q, generator)) if not params.greedy else int(q.argmax()))
+            probs.append(q)
+            if i + 1 < k:
+                row = torch.tensor([tokens[-1]])
+                g, keys, values = self.head(g, row, torch.tensor([position]), self._cache.past(), None)
+                self._cache.append(keys, values)
+                position += 1
+        return Draft(torch.tensor(tokens, dtype=torch.long), None if params.greedy else torch.stack(probs))
+
+    def _q(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [target vocab]
+        """q over the target's vocabulary: the head's processed distribution, zero off its vocabulary."""
+        full = torch.full((self.head.config.target_vocab_size,), -math.inf)
+        full[self.head.vocabulary] = logits
+        return logits_to_probs(full, params)
+
+    def _tree(self, token_ids: list[int], g_root: torch.Tensor, k: int) -> Draft:
+        """Up to k nodes (module docstring): one head forward per level, over the nodes it expands."""
+        offered: list[_Node] = []
+        frontier = self._offer(None, g_root[0], offered)
+        true_rows = self._cache.length
+        for _ in range(k - 1):  # no node deeper than k can be among the k most likely
+            cutoff = heapq.nlargest(k, offered)[-1] if len(offered) >= k else None
+            expand = [n for n in heapq.nlargest(self.branching, frontier) if cutoff is None or n > cutoff]
+            if not expand:
+                break
+            outputs = self._expand(expand, g_root[0], len(token_ids) - 2, true_rows)
+            frontier = [child for node, g in zip(expand, outputs) for child in self._offer(node, g, offered)]
+        chosen = sorted(heapq.nlargest(k, offered), reverse=True)  # most likely first: parents before children
+        builder, placed = TreeBuilder(k), {}
+        for node in chosen:
+            placed[node.order] = builder.child(-1 if node.parent is None else placed[node.parent.order], node.token)
+        return builder.draft()
+
+    def _expand(self, nodes: list[_Node], g_root: torch.Tensor, root_row: int, true_rows: int) -> list[torch.Tensor]:
+        """Run the rows of these nodes (each: its parent's output and its token) in one forward,
+        each seeing the target-feature rows, its ancestors' rows and itself; their outputs [hidden]."""
+        start = self._cache.length
+        features = torch.stack([g_root if n.parent is None else n.parent.output for n in nodes])
+        tokens = torch.tensor([n.token for n in nodes])
+        positions = torch.tensor([root_row + n.depth for n in nodes])
+        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)
+        mask[:, :true_rows] = True
+        for i, node in enumerate(nodes):
+            ancestor = node.parent
+            while ancestor is not None:
+                mask[i, ancestor.row] = True
+                ancestor = ancestor.parent
+            mask[i, start + i] = True
+            node.row = start + i
+        g, keys, values = self.head(features, tokens, positions, self._cache.past(), mask)
+        self._cache.append(keys, values)
+        for node, output in zip(nodes, g):
+            node.output = output
+        return list(g)
+
+    def _offer(self, node: _Node | None, g: torch.Tensor, offered: list[_Node]) -> list[_Node]:
+        """The `branching` most probable children of node (None: the root), offered."""
+        probs = torch.softmax(self.head.logits(g[None])[0], -1)  # [draft vocab]
+        top = probs.topk(min(self.branching, probs.shape[0]))
+        chance, depth = (1.0, 1) if node is None else (node.chance, node.depth + 1)
+        tokens = self.head.vocabulary[top.indices].tolist()
+        children = [
+            _Node(chance * p, len(offered) + i, t, node, depth)
+            for i, (p, t) in enumerate(zip(top.values.tolist(), tokens))
+        ]
+        offered.extend(children)
+        return children
+
+
+@dataclass(eq=False)
+class _Node:
+    """An offered child; "larger" when more likely reached, or as likely and offered earlier."""
+
+    chance: float  # the product of the head's probabilities along its path
+    order: int  # offered as the order-th
+    token: int
+    parent: _Node | None  # None: a child of the root
+    depth: int
+    row: int = -1  # its row in the head's cache, once expanded
+    output: torch.Tensor | None = None  # [hidden], the head's output at its row, once expanded
+
+    def __lt__(self, other: _Node) -> bool:
+        return (self.chance, -self.order) < (other.chance, -other.order)
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])

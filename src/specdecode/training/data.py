@@ -1,0 +1,151 @@
+"""Training data for a draft head: instructions the target writes itself (Magpie, Xu et al. 2024)
+or a user's JSONL of prompts, and the target's own answers to them, greedy and sampled, so the
+head learns the target's distribution rather than a corpus's.
+
+Magpie: the chat target is given only its template's user prefix (for SmolLM2, the default
+system turn and `<|im_start|>user\\n`) and samples what it writes there, up to a newline: a
+plausible instruction. Instructions are deduplicated, and held-out prompts (`evaluate.py`) are
+never trained on; a Spec-Bench file is refused (the benchmark measures what the head never saw).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import InvalidArgumentError
+
+MARKER = "\x00INSTRUCTION\x00"  # stands for the user's text while the template is rendered
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]  # the prompt as the target reads it (its chat template applied)
+    answer_ids: list[int]  # the target's answer
+    sampled: bool  # drawn at a temperature (else greedy)
+
+
+def user_prefix(tokenizer) -> str:
+    """The text a chat template puts before a user's first message (a default system turn included)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgumentError("Magpie needs a chat model (a chat template): give --prompts FILE", "target")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False)
+    return text[: text.index(MARKER)]
+
+
+def normalized(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def magpie_instructions(
+    engine,
+    count: int,
+    seed: int,
+    held_out: list[str],
+    max_tokens: int = 64,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Up to count distinct instructions the target writes after its user prefix (temperature 1,
+    top-p 1, ending at a newline, as Magpie's generator), none of them a held-out prompt."""
+    prefix = engine.tokenizer(user_prefix(engine.tokenizer), add_special_tokens=False).input_ids
+    seen = {normalized(p) for p in held_out}
+    found: list[str] = []
+    batch, attempt = 32, 0
+    while len(found) < count and attempt < 4 * count:
+        results = engine.generate_batched(
+            [prefix] * batch, max_new_tokens=max_tokens, temperature=1.0, seed=seed + attempt, stop="\n"
+        )
+        attempt += batch
+        for result in results:
+            text = result.text.strip()
+            key = normalized(text)
+            # a cut-off instruction (no end before max_tokens) or a fragment teaches nothing useful
+            if len(key) >= 12 and result.finish_reason == "stop" and key not in seen:
+                seen.add(key)
+                found.append(text)
+        if on_batch is not None:
+            on_batch(min(len(found), count))
+    return found[:count]
+
+
+def read_prompts(path: str | Path, held_out: list[str]) -> list[str]:
+    """Prompts from a JSONL file: one object a line with "prompt" (or "instruction", "text"),
+    deduplicated, held-out prompts left out. Spec-Bench's question file is refused."""
+    prompts, seen = [], {normalized(p) for p in held_out}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "question_id" in record and "turns" in record:
+            raise InvalidArgumentError(
+                f"{path} is a Spec-Bench question file: a head must not train on the benchmark it is measured on",
+                "prompts",
+            )
+        text = next((record[k] for k in ("prompt", "instruction", "text") if isinstance(record.get(k), str)), None)
+        if text is None:
+            raise InvalidArgumentError(f'{path}, line {number}: no "prompt" string', "prompts")
+        if normalized(text) not in seen:
+            seen.add(normalized(text))
+            prompts.append(text)
+    return prompts
+
+
+def answers(
+    engine,
+    prompts: list[str] | list[list[int]],
+    seed: int,
+    max_new_tokens: int,
+    sampled_share: float = 0.5,
+    temperature: float = 0.7,
+    chat: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[Sample]:
+    """The target's answer to each prompt: the first (1 - sampled_share) greedy, the rest sampled
+    at temperature (seeded), in batches through the engine's batched decoding."""
+    sampled_from = round(len(prompts) * (1 - sampled_share))
+    samples: list[Sample] = []
+    for start in range(0, len(prompts), 16):
+        chunk = prompts[start : start + 16]
+        greedy = [p for i, p in enumerate(chunk, start) if i < sampled_from]
+        drawn = [p for i, p in enumerate(chunk, start) if i >= sampled_from]
+        for group, sampled in ((greedy, False), (drawn, True)):
+            if not group:
+                continue
+            results = engine.generate_batched(
+                group,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature if sampled else 0.0,
+                seed=seed + start if sampled else None,
+                chat=chat,
+            )
+            samples += [Sample(r.prompt_token_ids, r.token_ids, sampled) for r in results if r.token_ids]
+        if on_batch is not None:
+            on_batch(min(start + 16, len(prompts)))
+    return samples
+
+
+def draft_vocabulary(samples: list[Sample], size: int, eos_token_ids: frozenset[int] | set[int]) -> torch.Tensor:
+    """The `size` tokens most frequent in the answers (ties: the smaller id), end-of-sequence
+    tokens included whatever their count: [<= size] int64, sorted by id."""
+    counts = Counter(t for s in samples for t in s.answer_ids)
+    chosen = sorted(eos_token_ids)[:size]
+    for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        if len(chosen) >= size:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def save_samples(samples: list[Sample], path: Path) -> None:
+    path.write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
+
+
+def load_samples(path: Path) -> list[Sample]:
+    return [Sample(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,297 @@
+"""The draft head (drafters/head.py) and its training (training/): a tiny target, a tiny head
+trained in seconds inside the tests.
+
+- training did something: a trained head's drafts are accepted more often than the untrained one's;
+- greedy decoding with the head is transformers' own greedy output, drafts verified and kept
+  (chains on transformers' runner; trees on the fast runner, where it keeps hidden states);
+- sampling with the head's q (zero off its vocabulary) keeps the target's law (G-test), and a
+  q that is not zero there is caught (negative control);
+- a head saved and loaded drafts the same; an interrupted training resumed from its checkpoint
+  ends with bitwise the weights of an uninterrupted one (and another seed's differ).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import (
+    ALPHA,
+    DIST_VOCAB,
+    GREEDY_PROMPTS,
+    PROMPT,
+    assert_drafted_and_accepted,
+    exact_joint,
+    g_test_pvalue,
+    head64_llama,
+    hf_greedy,
+    sample_counts,
+    target_and_draft,
+    tiny_llama,
+)
+from specdecode import SpeculativeEngine
+from specdecode.core.sampling import SamplingParams
+from specdecode.drafters.base import Draft
+from specdecode.drafters.head import (
+    HEAD_CONFIG,
+    HeadDrafter,
+    head_config,
+    is_head_folder,
+    load_head,
+    new_head,
+    save_head,
+)
+from specdecode.errors import InvalidArgumentError
+from specdecode.runners import HFModelRunner
+from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.training import TrainConfig, data
+from specdecode.training.evaluate import held_out_acceptance
+from specdecode.training.features import collect
+from specdecode.training.trainer import train
+
+QUICK = TrainConfig(loss="ttt", epochs=12, lr=3e-3, batch=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny products run fastest on one thread (several only contend on a shared machine); the
+    bitwise resume test compares runs made with the same thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_prompts(count: int, vocab: int, seed: int, length: int = 6) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def examples_for(target, engine, vocab_size: int, prompts: int = 32, new_tokens: int = 32):
+    """The target's answers to random prompts, its draft vocabulary and features (last layer)."""
+    samples = data.answers(engine, random_prompts(prompts, vocab_size, seed=0), 0, new_tokens, chat=False)
+    vocabulary = data.draft_vocabulary(samples, vocab_size * 2 // 3, set())
+    layers = (target.config.num_hidden_layers,)
+    return vocabulary, layers, collect(target, samples, layers, 256)
+
+
+def untrained_head(target, vocabulary, layers, seed=0):
+    return new_head(target, head_config(target, layers, len(vocabulary)), vocabulary, seed)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny Llama on transformers' runner, and a head trained on its answers (and an untrained one)."""
+    target = tiny_llama(seed=3, vocab_size=24, max_positions=256, init=0.3)
+    engine = SpeculativeEngine(target, drafter=None, runner="transformers")
+    vocabulary, layers, examples = examples_for(target, engine, 24)
+    head = untrained_head(target, vocabulary, layers)
+    train(head, examples, QUICK)
+    return target, engine, head, untrained_head(target, vocabulary, layers), examples
+
+
+def test_a_trained_head_is_accepted_more_often_than_an_untrained_one(tiny):
+    target, engine, head, untrained, _ = tiny
+    held_out = random_prompts(6, 24, seed=99)  # not among the training prompts (seed 0)
+    before = held_out_acceptance(engine, untrained, held_out, k=3, max_new_tokens=32, chat=False)
+    after = held_out_acceptance(engine, head, held_out, k=3, max_new_tokens=32, chat=False)
+    assert after.acceptance_rate > 2 * before.acceptance_rate, (before, after)
+    assert after.tokens_per_forward > before.tokens_per_forward + 0.1, (before, after)
+
+
+def test_greedy_with_the_head_equals_transformers_generate(tiny):
+    target, engine, head, _, _ = tiny
+    view = engine.with_drafter(HeadDrafter(head), num_speculative_tokens=3, adaptive=False)  # k pinned
+    results = view.generate(GREEDY_PROMPTS, max_new_tokens=30)
+    for prompt, result in zip(GREEDY_PROMPTS, results):
+        assert result.token_ids == hf_greedy(target, prompt, 30), prompt
+    assert_drafted_and_accepted(results)
+
+
+def test_greedy_with_the_head_in_a_batch_equals_transformers_generate(tiny):
+    """Each sequence of a batch has a head state of its own (fork) and gets its own rows' features."""
+    target, engine, head, _, _ = tiny
+    view = engine.with_drafter(HeadDrafter(head), num_speculative_tokens=3, adaptive=False)
+    results = view.generate_batched(GREEDY_PROMPTS, max_new_tokens=30, max_batch_size=3)
+    for prompt, result in zip(GREEDY_PROMPTS, results):
+        assert result.token_ids == hf_greedy(target, prompt, 30), prompt
+    assert_drafted_and_accepted(results)
+
+
+def test_greedy_head_trees_on_the_fast_runner_equal_transformers_generate():
+    target = head64_llama(seed=2, dtype=torch.float32, vocab_size=64, initializer_range=0.1)
+    runner = FastLlamaRunner(target)
+    if not (runner.verifies_trees and hasattr(runner, "hidden_layers")):
+        pytest.skip("this fast runner verifies no trees or keeps no hidden states")
+    engine = SpeculativeEngine(runner, drafter=None)
+    vocabulary, layers, examples = examples_for(target, SpeculativeEngine(target, runner="transformers"), 64)
+    head = untrained_head(target, vocabulary, layers)
+    train(head, examples, TrainConfig(epochs=4, lr=2e-3))
+    prompts = [[p % 64 for p in prompt] for prompt in GREEDY_PROMPTS]
+    view = engine.with_drafter(HeadDrafter(head, tree=True), num_speculative_tokens=6, adaptive=False)
+    results = view.generate(prompts, max_new_tokens=30)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(target, prompt, 30), prompt
+    assert_drafted_and_accepted(results)
+    assert sum(r.stats.tree_steps for r in results) > 0  # trees were verified, not only chains
+
+
+def test_the_heads_tree_is_one_hot_and_its_first_path_is_its_greedy_chain(tiny):
+    target, engine, head, _, _ = tiny
+    greedy = SamplingParams()
+    runner = HFModelRunner(target)
+    runner.hidden_layers = head.config.feature_layers
+    tokens = [3, 5, 7, 2, 9, 11]
+    runner.forward(torch.tensor(tokens[:-1]), 1)
+    drafters = [HeadDrafter(head, tree=True), HeadDrafter(head)]
+    for drafter in drafters:
+        drafter.begin(tokens)
+        drafter.learn_hidden(0, runner.hidden)
+    tree = drafters[0].propose(tokens, 8, greedy, None)
+    chain = drafters[1].propose(tokens, 8, greedy, None)
+    assert tree.probs is None and not tree.is_chain and len(tree) == 8
+    first = tree.first_path()
+    assert first.tokens.tolist() == chain.tokens[: len(first)].tolist()
+
+
+# --- sampling: the G-test of tests/helpers.py, with a negative control ---
+
+
+def sampling_head(seed: int = 0):
+    """The G-test's target (vocabulary DIST_VOCAB) and a head over 8 of its 12 tokens, trained briefly."""
+    target, other = target_and_draft(tiny_llama)
+    engine = SpeculativeEngine(target, drafter=None, runner="transformers")
+    samples = data.answers(engine, [PROMPT] * 8 + random_prompts(8, DIST_VOCAB, 1), 0, 16, chat=False)
+    vocabulary = data.draft_vocabulary(samples, 8, set())
+    layers = (target.config.num_hidden_layers,)
+    head = untrained_head(target, vocabulary, layers, seed)
+    train(head, collect(target, samples, layers, 256), TrainConfig(epochs=4, lr=3e-3))
+    return target, other, head
+
+
+class OffVocabularyBug(HeadDrafter):
+    """Wrong: reports a q that gives tokens off the head's vocabulary some mass, while drawing
+    from the head's vocabulary only (what a full-vocabulary softmax would report)."""
+
+    def propose(self, token_ids, k, params, generator):
+        draft = super().propose(token_ids, k, params, generator)
+        if draft.probs is None:
+            return draft
+        return Draft(draft.tokens, 0.5 * draft.probs + 0.5 / draft.probs.shape[-1])
+
+    def fork(self):
+        return OffVocabularyBug(self.head, self.drafts_trees, self.branching)
+
+
+def test_sampling_with_the_heads_q_keeps_the_targets_law():
+    params = dict(temperature=1.0)
+    target, other, head = sampling_head()
+    assert len(head.vocabulary) < DIST_VOCAB  # q is zero somewhere: the case FR-Spec must get right
+    engine = SpeculativeEngine(target, drafter=HeadDrafter(head), num_speculative_tokens=3, runner="transformers")
+    counts = sample_counts(engine, 3, params, seed=21)
+    assert g_test_pvalue(counts, exact_joint(target, params)) > ALPHA
+    assert g_test_pvalue(counts, exact_joint(other, params)) < ALPHA
+    # the law was kept with the head's drafts in play: they were drawn and some accepted
+    assert_drafted_and_accepted(engine.generate([PROMPT] * 20, max_new_tokens=6, seed=3, **params))
+
+
+def test_negative_control_a_q_that_is_not_zero_off_the_vocabulary_is_caught():
+    params = dict(temperature=1.0)
+    target, _, head = sampling_head()
+    engine = SpeculativeEngine(target, drafter=OffVocabularyBug(head), num_speculative_tokens=3, runner="transformers")
+    counts = sample_counts(engine, 3, params, seed=21)
+    assert g_test_pvalue(counts, exact_joint(target, params)) < ALPHA
+
+
+# --- save, load, resume ---
+
+
+def test_a_saved_head_loads_with_the_same_weights_and_drafts(tiny, tmp_path):
+    target, engine, head, _, _ = tiny
+    save_head(head, tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "head.safetensors", "vocabulary.json"}
+    assert is_head_folder(tmp_path) and not is_head_folder(tmp_path / "absent")
+    loaded = load_head(tmp_path, target)
+    assert loaded.config == head.config
+    assert torch.equal(loaded.vocabulary, head.vocabulary)
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    views = [engine.with_drafter(HeadDrafter(h), 3) for h in (head, loaded)]
+    first, second = (v.generate(GREEDY_PROMPTS, max_new_tokens=20)[0].stats for v in views)
+    assert (first.drafted_tokens, first.accepted_tokens) == (second.drafted_tokens, second.accepted_tokens)
+
+
+def test_a_head_for_another_target_shape_is_refused(tiny, tmp_path):
+    _, _, head, _, _ = tiny
+    save_head(head, tmp_path)
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        load_head(tmp_path, tiny_llama(seed=0, vocab_size=30))
+    (tmp_path / HEAD_CONFIG).unlink()
+    with pytest.raises(InvalidArgumentError, match="no draft head"):
+        load_head(tmp_path, tiny_llama(seed=0))
+
+
+class Interrupted(Exception):
+    pass
+
+
+def weights_after(target, vocabulary, layers, examples, config, checkpoint, interrupt_at=None, seed=0):
+    head = untrained_head(target, vocabulary, layers, seed)
+
+    def on_step(step, total, loss):
+        if step == interrupt_at:
+            raise Interrupted
+
+    try:
+        state = train(head, examples, config, checkpoint, on_step)
+    except Interrupted:
+        return None, None
+    return head.state_dict(), state
+
+
+@pytest.mark.parametrize("loss", ["ttt", "eagle"])
+def test_a_resumed_training_ends_with_bitwise_the_uninterrupted_weights(tiny, tmp_path, loss):
+    target, _, head, _, examples = tiny
+    vocabulary, layers = head.vocabulary, head.config.feature_layers
+    config = TrainConfig(loss=loss, epochs=2, lr=3e-3, batch=4, checkpoint_every=3)  # 16 steps
+    whole, _ = weights_after(target, vocabulary, layers, examples, config, tmp_path / "whole.pt")
+    # interrupted after step 5: the last checkpoint is step 3's; steps 4 and 5 are done again
+    assert weights_after(target, vocabulary, layers, examples, config, tmp_path / "cut.pt", interrupt_at=5)[0] is None
+    assert torch.load(tmp_path / "cut.pt", weights_only=True)["state"]["step"] == 3
+    resumed, state = weights_after(target, vocabulary, layers, examples, config, tmp_path / "cut.pt")
+    assert state.resumed_from == 3 and state.step == 16
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
+    # the comparison can fail: another seed's initial weights end elsewhere
+    other, _ = weights_after(target, vocabulary, layers, examples, config, tmp_path / "other.pt", seed=1)
+    assert not all(torch.equal(other[name], value) for name, value in whole.items())
+
+
+def test_a_checkpoint_of_other_options_is_refused(tiny, tmp_path):
+    target, _, head, _, examples = tiny
+    vocabulary, layers = head.vocabulary, head.config.feature_layers
+    config = TrainConfig(epochs=1, batch=8, checkpoint_every=1)
+    weights_after(target, vocabulary, layers, examples, config, tmp_path / "c.pt")
+    with pytest.raises(InvalidArgumentError, match="another training setup"):
+        weights_after(target, vocabulary, layers, examples, TrainConfig(epochs=2, batch=8), tmp_path / "c.pt")
+
+
+# --- data ---
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens_and_eos():
+    samples = [data.Sample([1], [5, 5, 5, 7, 7, 9], False), data.Sample([1], [7, 3], True)]
+    assert data.draft_vocabulary(samples, 3, {0}).tolist() == [0, 5, 7]  # eos 0 never occurs, still in
+    assert data.draft_vocabulary(samples, 10, set()).tolist() == [3, 5, 7, 9]
+
+
+def test_prompts_leave_held_out_ones_out_and_refuse_spec_bench(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "Tell me a story."}, {"prompt": "tell me  a story."}, {"prompt": "Held out one"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert data.read_prompts(path, held_out=["held OUT one"]) == ["Tell me a story."]
+    path.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Write."]}) + "\n")
+    with pytest.raises(InvalidArgumentError, match="Spec-Bench"):
+        data.read_prompts(path, held_out=[])

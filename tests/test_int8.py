@@ -1,0 +1,249 @@
+"""The w8a8 fast path (int8 weights, per-row int8 activations, oneDNN's int8 products): a row's
+logits are bitwise the same alone and among others, so speculation over the 8-bit target is
+exact relative to that 8-bit model's own decoding.
+
+No sampling G-test here: a sampled token is a function of the target's logits and the random
+stream, and the tests below prove those logits bitwise equal to one-token decoding's in every
+verification shape (chains, trees, ragged batches); the accept rule's law is tested on exact
+logits elsewhere (tests/test_distribution.py, tests/test_trees.py). Equal bits leave no
+distribution to test.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import assert_drafted_and_accepted, head64_llama, tiny_tokenizer
+from specdecode import InvalidArgumentError, SpeculativeEngine
+from specdecode.drafters import PromptLookupDrafter
+from specdecode.runners import projection
+from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
+from specdecode.runners.projection import Int8Projection, int8_projection, int8_supported
+
+pytestmark = pytest.mark.skipif(not int8_supported(), reason="no oneDNN int8 products in this torch")
+
+EVERY_PRODUCT = Int8Recipe(keep_float=(), smoothing=0.0)  # the head too, and no smoothing
+RECIPES = [pytest.param(EVERY_PRODUCT, id="all-int8"), pytest.param(Int8Recipe(), id="default-smoothed")]
+
+
+def int8_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16) -> FastLlamaRunner:
+    runner = FastLlamaRunner(head64_llama(seed, dtype), "w8a8", recipe)
+    assert runner.verifies_trees  # the tree attention kernel runs: attention is per row too
+    return runner
+
+
+def tokens(n: int, seed: int = 1) -> torch.Tensor:  # [n]
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def verified_differs_from_alone(runner: FastLlamaRunner, n: int) -> int:
+    """How many of 8 verification forwards of n tokens differ bitwise from decoding their tokens
+    one at a time."""
+    ids, differ = tokens(200), 0
+    for start in range(10, 170, 20):
+        runner.reset()
+        runner.forward(ids[:start], 1)
+        together = runner.forward(ids[start : start + n], n)
+        runner.crop(start)
+        alone = torch.cat([runner.forward(ids[start + j : start + j + 1], 1) for j in range(n)])
+        differ += not torch.equal(together, alone)
+    return differ
+
+
+def per_batch_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wrong quantization: one activation scale for every row of a product."""
+    x = x.float()
+    scale = x.abs().amax().clamp_min(1e-30) / 127.0
+    codes = torch.round(x / scale).add_(projection.ACTIVATION_ZERO_POINT).to(torch.uint8)
+    return codes, scale.expand(x.shape[0], 1).contiguous()
+
+
+def test_int8_products_give_a_row_the_same_bits_alone_and_among_others():
+    """Product level, past the 32 rows below which oneDNN's float kernels are row-independent."""
+    weight = torch.randn(300, 1536, generator=torch.Generator().manual_seed(0))
+    product = int8_projection(weight, None)
+    x = torch.randn(100, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
+    together = product(x)
+    for rows in (1, 2, 5, 16, 33, 100):
+        assert torch.equal(product(x[:rows]), together[:rows])
+    assert all(torch.equal(product(x[i : i + 1]), together[i : i + 1]) for i in range(100))
+    assert not torch.equal(product(x[:1] * 2), together[:1])  # the rows do reach the result
+
+
+def test_int8_products_are_close_to_the_float_product():
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
+    exact = x @ weight.T
+    relative = (int8_projection(weight, None)(x) - exact).norm() / exact.norm()
+    assert relative < 0.02
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 16])
+def test_a_verified_token_gets_the_logits_of_decoding_it_alone(recipe, n):
+    assert verified_differs_from_alone(int8_runner(recipe), n) == 0
+
+
+def test_one_activation_scale_for_the_whole_batch_would_tie_a_token_to_the_others(monkeypatch):
+    """Negative control of the test above: quantized on the batch's scale, rows differ."""
+    monkeypatch.setattr(projection, "quantize_rows", per_batch_scale)
+    assert verified_differs_from_alone(int8_runner(), 8) > 0
+
+
+def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
+    runner = int8_runner()
+    ids = tokens(60)
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4, 5])  # two roots, branches, depth 5
+    nodes = tokens(len(parents), seed=2)
+    runner.forward(ids, 1)
+    tree = runner.forward(nodes, len(nodes), parents)
+    for i in range(len(nodes)):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, node)
+            node = int(parents[node])
+        runner.crop(len(ids))
+        alone = runner.forward(nodes[path], len(path))[-1:]  # the path as a verified chain
+        assert torch.equal(tree[i : i + 1], alone), i
+
+
+def test_ragged_batches_give_each_sequence_its_logits_alone():
+    runner = int8_runner()
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, 256, (n,), generator=generator) for n in (40, 12, 27, 9)]
+    new = [5, 1, 16, 3]
+
+    def run(group: list[int]) -> list[torch.Tensor]:
+        caches = [runner.new_cache() for _ in group]
+        ids = [sequences[i] for i in group]
+        prefills = runner.forward_batch(caches, [s[: -new[i]] for s, i in zip(ids, group)], [1] * len(group))
+        verified = runner.forward_batch(caches, [s[-new[i] :] for s, i in zip(ids, group)], [new[i] for i in group])
+        return [torch.cat(pair) for pair in zip(prefills, verified)]
+
+    together = run([0, 1, 2, 3])
+    for i in range(4):
+        assert torch.equal(run([i])[0], together[i])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_speculation_over_the_8_bit_target_equals_its_own_target_only_decoding(recipe):
+    engine = SpeculativeEngine(int8_runner(recipe), drafter=PromptLookupDrafter(), num_speculative_tokens=6)  # k pinned
+    prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
+    target_only = [r.token_ids for r in engine.generate(prompts, max_new_tokens=60, speculative=False)]
+    speculative = engine.generate(prompts, max_new_tokens=60)
+    assert_drafted_and_accepted(speculative)
+    assert [r.token_ids for r in speculative] == target_only
+    batched = engine.generate_batched(prompts, max_new_tokens=60, max_batch_size=3)
+    assert_drafted_and_accepted(batched)
+    assert [r.token_ids for r in batched] == target_only
+
+
+def test_the_8_bit_model_is_a_different_rounding_of_the_same_model():
+    """Close to the bfloat16 logits, and not equal to them (the products do run in int8)."""
+    model = head64_llama(0, torch.bfloat16)
+    ids = tokens(30)
+    full = FastLlamaRunner(model).forward(ids, 30)
+    int8 = FastLlamaRunner(model, "w8a8", EVERY_PRODUCT).forward(ids, 30)
+    assert not torch.equal(full, int8)
+    assert (full.argmax(-1) == int8.argmax(-1)).float().mean() > 0.8
+    assert (full - int8).abs().max() < 0.1 * full.abs().max()
+
+
+def test_one_copy_of_the_weights_in_int8():
+    model = head64_llama(0, torch.bfloat16)
+    bf16, int8 = FastLlamaRunner(model), FastLlamaRunner(model, "w8a8", EVERY_PRODUCT)
+
+    def products(r: FastLlamaRunner) -> list:
+        return [r.lm_head] + [p for layer in r.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    assert all(isinstance(p, Int8Projection) for p in products(int8))
+    # one byte a weight, against two; and 12 bytes of scale and zero point per output channel
+    assert sum(p.nbytes for p in products(int8)) < 0.55 * sum(p.nbytes for p in products(bf16))
+    int8.release_model_weights()  # the float weights the products replaced are freed
+    assert all(m.weight.device.type == "meta" for m in int8._copied_modules())
+    assert int8.forward(tokens(5), 5).isfinite().all()
+
+
+def test_recipes_name_products():
+    assert Int8Recipe().quantizes("head") and not Int8Recipe(keep_float=("head",)).quantizes("head")
+    with pytest.raises(ValueError, match="unknown products"):
+        Int8Recipe(keep_float=("mlp",))
+    with pytest.raises(ValueError, match="unknown quantization"):
+        FastLlamaRunner(head64_llama(0), "int4")
+
+
+WITHOUT_VNNI = """
+import torch
+from specdecode.runners import projection
+assert projection.weight_limit() == {limit}
+weight = torch.randn(64, 1536, generator=torch.Generator().manual_seed(0))
+x = torch.randn(8, 1536, generator=torch.Generator().manual_seed(1))
+product = projection.int8_projection(weight, None)
+codes, row_scales = projection.quantize_rows(x)
+scales = weight.abs().amax(dim=1) / {limit}
+weight_codes = torch.round(weight / scales[:, None]).clamp(-{limit}, {limit})
+sums = (codes.double() - 128) @ weight_codes.double().T  # the exact integer sums
+print(torch.equal(product(x), (sums.float() * product.scales) * row_scales))
+"""
+
+
+@pytest.mark.parametrize("limit", [63, 127])
+def test_without_vnni_seven_bit_weights_keep_the_integer_sums_exact(limit, monkeypatch):
+    """oneDNN capped below VNNI (as on CPUs without it) sums u8 x s8 pairs in 16 saturating
+    bits: 7-bit weights (what weight_limit() picks there) give the exact sums; 8-bit ones, the
+    negative control, do not."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    code = WITHOUT_VNNI.format(limit=limit)
+    if limit == 127:  # force 8-bit codes where the cap would pick 7
+        code = code.replace("assert projection.weight_limit() == 127", "projection.weight_limit = lambda: 127")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ("True" if limit == 63 else "False")
+
+
+def test_smoothing_keeps_the_float_model_and_the_rows_exact():
+    """SmoothQuant's factors folded into the norms and the up projection leave the float
+    product as it was: smoothed int8 logits stay as close to bfloat16's as unsmoothed ones do,
+    and a verified token still gets its one-token bits."""
+    model = head64_llama(0, torch.bfloat16)
+    recipe = Int8Recipe(keep_float=(), smoothing=0.5, calibration=tuple(tokens(64, seed=3).tolist()))
+    smoothed = FastLlamaRunner(model, "w8a8", recipe)
+    ids = tokens(30)
+    full = FastLlamaRunner(model).forward(ids, 30)
+    assert (full - smoothed.forward(ids, 30)).abs().max() < 0.1 * full.abs().max()
+    assert not torch.equal(smoothed.layers[0].attn_norm, model.model.layers[0].input_layernorm.weight)
+    assert verified_differs_from_alone(smoothed, 5) == 0
+    with pytest.raises(ValueError, match="alpha"):
+        Int8Recipe(smoothing=1.5)
+    default = FastLlamaRunner(model, "w8a8")  # smoothed, calibrated on random ids of a fixed seed
+    again = FastLlamaRunner(model, "w8a8")
+    assert torch.equal(default.forward(ids, 30), again.forward(ids, 30))  # the same model at every load
+
+
+def test_from_pretrained_takes_w8a8_by_name_and_says_so(tmp_path):
+    """`quantization="w8a8"` (`--quantization w8a8`) loads the float model and quantizes it on the
+    fast runner; the results' stats name the precision; the transformers runner refuses it."""
+    head64_llama(0, torch.bfloat16).save_pretrained(tmp_path)
+    tiny_tokenizer(256).save_pretrained(tmp_path)
+    engine = SpeculativeEngine.from_pretrained(
+        str(tmp_path), quantization="w8a8", dtype="bfloat16", drafter="prompt-lookup", num_speculative_tokens=6
+    )
+    assert engine.target_runner.quantization == "w8a8"
+    prompt = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3]
+    speculative = engine.generate(prompt, max_new_tokens=40)
+    assert_drafted_and_accepted(speculative)
+    assert speculative[0].token_ids == engine.generate(prompt, max_new_tokens=40, speculative=False)[0].token_ids
+    assert speculative[0].stats.target_precision.startswith("w8a8 (int8 weights and activations")
+    with pytest.raises(InvalidArgumentError, match="leave the runner at auto") as refused:
+        SpeculativeEngine.from_pretrained(str(tmp_path), quantization="w8a8", runner="transformers")
+    assert refused.value.param == "quantization"
+
+
+def test_folded_weights_keep_no_autograd_graph():
+    """Smoothing divides norm weights (parameters) by factors: a graph behind the results would
+    hold float copies of every layer's weights for as long as the runner lives."""
+    runner = int8_runner(Int8Recipe())
+    kept = [runner.final_norm] + [w for layer in runner.layers for w in (layer.attn_norm, layer.mlp_norm)]
+    assert all(w.grad_fn is None for w in kept)
