@@ -1,4 +1,4 @@
-"""Fixtures; the helpers the test files share are in helpers.py."""
+"""Fixtures; the helpers the test files share are in helpers/ (models, stats, services)."""
 
 from __future__ import annotations
 

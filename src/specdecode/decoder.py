@@ -67,7 +67,7 @@ from specdecode.runners.slots import SlotPool
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     prompt_ids: list[int]
     params: SamplingParams
     stopping: StoppingCriteria
@@ -135,13 +135,13 @@ class Decoder:
         # drafter name -> its acceptance, pooled over sequences: by position for chains, by tree size for trees
         self.policies: dict[str, AdaptiveK | AdaptiveTree] = {}
         self.verifies_trees = bool(getattr(runner, "verifies_trees", False))  # else a tree's first path runs
-        self.active: list[Sequence] = []
+        self.active: list[SequenceState] = []
 
     @property
     def has_room(self) -> bool:
         return len(self.active) < self.capacity
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         """Start (or resume, after a restart) seq at the next step."""
         seq.slot, seq.cached = self.slots.acquire(), 0
         note = None
@@ -155,7 +155,7 @@ class Decoder:
             drafter.begin(seq.prompt_ids)
         self.active.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: SequenceState) -> None:
         """seq leaves, and its slot is free, even if a drafter's finish raises (a store's write)."""
         try:
             for drafter in seq.drafters:
@@ -174,8 +174,8 @@ class Decoder:
             _lived_through_a_failure(seq)
 
     def step(
-        self, sequences: list[Sequence] | None = None, after_forward: Callable[[], None] | None = None
-    ) -> list[tuple[Sequence, list[int]]]:
+        self, sequences: list[SequenceState] | None = None, after_forward: Callable[[], None] | None = None
+    ) -> list[tuple[SequenceState, list[int]]]:
         """Advance every active sequence (or just `sequences`) once; the tokens each emitted. A
         sequence whose `finish` is set afterwards is done (its tokens past the stop are cut).
         All or nothing: if this raises, no sequence has changed, but for what it lost (cached
@@ -210,7 +210,7 @@ class Decoder:
 
     # --- phases ---
 
-    def _roll_back(self, sequences: list[Sequence]) -> None:
+    def _roll_back(self, sequences: list[SequenceState]) -> None:
         """Phase 0: every slot back to its sequence's accepted prefix, or to what it still holds."""
         for seq in sequences:
             self.slots.crop(seq.slot, seq.cached)  # rolls back rejected drafts, and a failed attempt
@@ -220,14 +220,14 @@ class Decoder:
                 seq.cached = 0
                 self.slots.crop(seq.slot, 0)
 
-    def _draft(self, sequences: list[Sequence]) -> tuple[list[Draft], list[int]]:
+    def _draft(self, sequences: list[SequenceState]) -> tuple[list[Draft], list[int]]:
         """Each sequence's draft, and the k it was asked for (0: nothing asked)."""
         chosen: dict[str, int] = {}  # this step's k per drafter, chosen on first use
         k_max = max(seq.k_max for seq in sequences)
         proposals = [self._propose(seq, chosen, k_max, len(sequences)) for seq in sequences]
         return [draft for draft, _ in proposals], [k for _, k in proposals]
 
-    def _propose(self, seq: Sequence, chosen: dict[str, int], k_max: int, batch_size: int) -> tuple[Draft, int]:
+    def _propose(self, seq: SequenceState, chosen: dict[str, int], k_max: int, batch_size: int) -> tuple[Draft, int]:
         room = min(seq.stopping.max_new_tokens - len(seq.generated), self.max_length - len(seq.tokens))
         if seq.k_max == 0 or room <= 1 or seq.prompt_uncached:  # drafting past the budget is waste
             return Draft.empty(), 0
@@ -256,7 +256,7 @@ class Decoder:
             return draft.first_path()
         return draft
 
-    def _k(self, seq: Sequence, drafter: Drafter, chosen: dict[str, int], k_max: int, batch_size: int) -> int:
+    def _k(self, seq: SequenceState, drafter: Drafter, chosen: dict[str, int], k_max: int, batch_size: int) -> int:
         if seq.fixed_k or not self.adaptive:
             return seq.k_max
         if drafter.name not in chosen:  # one choice per drafter and step: the policy counts steps
@@ -264,7 +264,7 @@ class Decoder:
         return min(chosen[drafter.name], seq.k_max)
 
     def _verify(
-        self, sequences: list[Sequence], drafts: list[Draft], layers: tuple[int, ...]
+        self, sequences: list[SequenceState], drafts: list[Draft], layers: tuple[int, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One target forward: [len(draft) + 1, vocab] logits per sequence, after its last
         token and after each of its draft tokens (a prefill's: [1, vocab], after its prompt).
@@ -302,7 +302,7 @@ class Decoder:
             found = [h[0] if isinstance(h, list) else h for h in found]  # a forward run as a batch of one
         return [h if h is not None and h.shape[0] == len(t) else None for h, t in zip(found, new_tokens, strict=True)]
 
-    def _decide(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> _Decision | None:
+    def _decide(self, seq: SequenceState, draft: Draft, logits: torch.Tensor) -> _Decision | None:
         if seq.prompt_uncached and seq.rebuilding:
             return None  # its next token is known: the prefill only rebuilt the prompt's cache
         if draft.is_chain:
@@ -313,7 +313,7 @@ class Decoder:
         context_full = len(seq.tokens) + len(emitted) >= self.max_length
         return _Decision(verdict, emitted, seq.stopping.check(seq.generated + emitted, len(emitted), context_full))
 
-    def _keep_path(self, seq: Sequence, draft: Draft, decision: _Decision | None) -> None:
+    def _keep_path(self, seq: SequenceState, draft: Draft, decision: _Decision | None) -> None:
         """A tree's accepted path to consecutive cache positions after the uncached tokens,
         unless it is the chain prefix (which phase 0's crop keeps as it is)."""
         if decision is None or draft.is_chain:
@@ -326,7 +326,7 @@ class Decoder:
 
     def _learn(
         self,
-        seq: Sequence,
+        seq: SequenceState,
         draft: Draft,
         logits: torch.Tensor,
         decision: _Decision | None,
@@ -351,7 +351,7 @@ class Decoder:
                 columns = [layers.index(layer) for layer in wanted]
                 drafter.learn_hidden(seq.cached, hidden[rows][:, columns])
 
-    def _commit(self, seq: Sequence, draft: Draft, decision: _Decision | None, asked: int) -> list[int]:
+    def _commit(self, seq: SequenceState, draft: Draft, decision: _Decision | None, asked: int) -> list[int]:
         if decision is None:  # a rebuilt prompt
             seq.stats.record_replay(len(seq.prompt_ids), forward=True)
             seq.cached = len(seq.prompt_ids)
@@ -392,7 +392,7 @@ class Decoder:
         return self.policies[drafter.name]
 
 
-def _hidden_layers_wanted(sequences: list[Sequence]) -> tuple[int, ...]:
+def _hidden_layers_wanted(sequences: list[SequenceState]) -> tuple[int, ...]:
     """The target layers whose hidden states this step's drafters read (draft heads), sorted."""
     return tuple(sorted({i for seq in sequences for d in seq.drafters for i in getattr(d, "hidden_layers", ())}))
 
@@ -404,14 +404,14 @@ def _forward_parents(uncached: int, draft: Draft) -> torch.Tensor:  # [uncached 
     return torch.tensor(parents, dtype=torch.long)
 
 
-def _lived_through_a_failure(seq: Sequence) -> None:
+def _lived_through_a_failure(seq: SequenceState) -> None:
     """A sampled sequence's answer is cached only if no failure touched it (module docstring,
     "Rebuild"); a greedy one's does not depend on its drafts."""
     if not seq.params.greedy:
         seq.cache_key = None
 
 
-def decode_all(decoder: Decoder, sequences: list[Sequence]) -> None:
+def decode_all(decoder: Decoder, sequences: list[SequenceState]) -> None:
     """Decode every sequence to its end, each joining as a slot frees up; a sequence's
     stats.wall_time_s is the time from its start to its end."""
     waiting = list(sequences)

@@ -37,7 +37,7 @@ from specdecode.core.checks import (
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
 from specdecode.core.stopping import StoppingCriteria
-from specdecode.decoder import Decoder, Sequence, decode_all
+from specdecode.decoder import Decoder, SequenceState, decode_all
 from specdecode.drafters import Drafter, candidates_of
 from specdecode.drafters.factory import (
     DRAFTERS,
@@ -349,7 +349,7 @@ class SpeculativeEngine:
         """`generate` with up to 8 prompts at once by default: the earlier name, kept for its callers."""
         return self.generate(prompts, max_batch_size=max_batch_size, **request)
 
-    def _decode(self, sequences: list[Sequence], capacity: int) -> list[GenerationResult]:
+    def _decode(self, sequences: list[SequenceState], capacity: int) -> list[GenerationResult]:
         """Each sequence's result: from the response cache where it has one, else decoded."""
         todo = [seq for seq in sequences if not self.caches.answer(seq)]
         self.decoder.capacity = capacity
@@ -399,7 +399,7 @@ class SpeculativeEngine:
         tag=None,
         seed: int | None = None,
         cacheable: bool = True,
-    ) -> Sequence:
+    ) -> SequenceState:
         """A sequence for the decoder, with drafters of its own where they can be forked
         (fork=False: the engine's own). seed: the one its generator was seeded with, if not
         settings.seed; cacheable=False: its output is not a function of its request alone (a
@@ -417,7 +417,7 @@ class SpeculativeEngine:
         if cacheable:
             drafts = lambda: self.drafts_identity(candidates)  # noqa: E731 - only seeded samples need it
             key = self.caches.key(prompt_ids, settings, seed, k, self.adaptive, drafts)
-        return Sequence(
+        return SequenceState(
             prompt_ids,
             settings.params,
             settings.stopping,
@@ -435,7 +435,7 @@ class SpeculativeEngine:
         check_max_batch_size(max_batch_size)
         return max_batch_size if self.drafts_in_batches else 1
 
-    def result(self, seq: Sequence) -> GenerationResult:
+    def result(self, seq: SequenceState) -> GenerationResult:
         text = None
         if self.tokenizer is not None:
             text = self.decode(seq.generated)

@@ -1,7 +1,7 @@
 """The caches as an engine uses them: where they live, when the response cache is on, the key
 of a request, and answering a sequence from it or remembering its answer.
 
-A layer below the decoder and the engine, so the sequence (decoder.Sequence) and the request's
+A layer below the decoder and the engine, so the sequence (decoder.SequenceState) and the request's
 settings (engine.RequestSettings) are read by their fields, not imported.
 """
 
@@ -143,7 +143,7 @@ class EngineCaches:
         return self.response_cache.key(prompt_ids, **request)
 
     def answer(self, seq) -> bool:
-        """Fill seq (a decoder.Sequence) with the stored answer of a request seen before, if the
+        """Fill seq (a decoder.SequenceState) with the stored answer of a request seen before, if the
         response cache has a valid one; whether it did."""
         if self.response_cache is None or seq.cache_key is None:
             return False

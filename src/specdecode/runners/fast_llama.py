@@ -12,7 +12,7 @@ machinery, and shaped for speculative decoding:
   decoded alone (see FastLlamaRunner).
 
 It implements `runners.base.ModelRunner`; `supports(model)` says when it applies. Outputs
-match transformers' to float rounding (tests/test_fast_runners.py states the tolerance).
+match transformers' to float rounding (tests/runners/test_fast_runners.py states the tolerance).
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ class FastLlamaRunner(StaticCacheRunner):
     every new token's logits wanted) runs the tree attention kernel (tree_attention.py): one
     call per layer for all of a sequence's queries, each query's result a function of the
     keys it sees alone. A token's logits then depend neither on the tokens verified with it
-    nor on the other sequences of a batch, bit for bit (tests/test_fast_runners.py and
-    tests/test_tree_attention.py check both, with negative controls).
+    nor on the other sequences of a batch, bit for bit (tests/runners/test_fast_runners.py and
+    tests/runners/test_tree_attention.py check both, with negative controls).
 
     Trees (`parents`): new token i is written at cache slot length + i but rotated at its
     logical position length + depth_i, and sees the cached prefix, then its ancestors among the
@@ -372,7 +372,7 @@ class FastLlamaRunner(StaticCacheRunner):
         size compiles, which is slow (docs/speed.md); inductor keeps
         the code on disk, so later processes pay less. Exactness holds as in eager: a verified
         token's logits are bitwise those of decoding it alone, compiled too
-        (tests/test_compiled.py). benchmarks/compiled.py measures what it gains, where the
+        (tests/runners/test_compiled.py). benchmarks/compiled.py measures what it gains, where the
         products, which it cannot speed up, are most of a forward (docs/speed.md)."""
         # a graph per forward size (1 to k + 1 tokens); the cache length is a symbol in each
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

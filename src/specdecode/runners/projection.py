@@ -52,7 +52,7 @@ class Projection:
         if not self.reordered:
             return F.linear(x, self.weight, self.bias)
         # oneDNN computes a row the same whatever rows share its product up to 32 rows,
-        # not beyond (tests/test_fast_runners.py): in chunks of 32 a row never depends on its batch
+        # not beyond (tests/runners/test_fast_runners.py): in chunks of 32 a row never depends on its batch
         if x.shape[0] <= ONEDNN_INVARIANT_ROWS:  # decoding and verification: no copy
             return self._onednn(x)
         # a last chunk of one row takes the one-row kernel too: padded where that differs
@@ -146,7 +146,7 @@ class Int8Projection:
     Why a row's result cannot depend on the rows beside it: integer sums are exact whatever the
     kernel's blocking or the row count, the kernel's epilogue multiplies each sum by its column's
     weight scale (one float product per element: one rounding, the same in every kernel), and
-    the row's own scale is applied after, element by element. tests/test_int8.py checks it bit
+    the row's own scale is applied after, element by element. tests/runners/test_w8a8.py checks it bit
     for bit, with a negative control (one activation scale for the whole batch).
 
     On CPUs without VNNI (AVX512-VNNI, AVX-VNNI or AMX), oneDNN multiplies u8 x s8 pairs into

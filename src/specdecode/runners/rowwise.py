@@ -8,7 +8,7 @@ last bits, rarely an argmax; but a bitsandbytes model rounds every quantized lay
 to bfloat16, which turns those bits into whole bfloat16 steps, enough to flip greedy choices
 (benchmarks/results/earlier-measurements.md). With this attention a token's hidden states are
 those of decoding it alone, and speculative output equals the quantized model's own greedy
-`generate` (tests/test_quantization.py, benchmarks/quantization.py).
+`generate` (tests/runners/test_quantized_targets.py, benchmarks/quantization.py).
 
 So a forward with several new queries after a cache runs each query alone, against the keys
 it would see alone (its own position and before), exactly as one-token decoding calls SDPA.

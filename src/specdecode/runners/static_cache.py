@@ -157,7 +157,7 @@ class StaticCacheRunner:
     @property
     def batch_invariant(self) -> bool:
         """On the CPU, whose verification attends one query at a time and whose oneDNN products
-        keep rows independent (tests/test_fast_runners.py); elsewhere kernels may round a row
+        keep rows independent (tests/runners/test_fast_runners.py); elsewhere kernels may round a row
         by the rows beside it."""
         return self.per_query_attention and onednn_supports(self.dtype)
 

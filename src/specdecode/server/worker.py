@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from specdecode.decoder import Sequence
+from specdecode.decoder import SequenceState
 from specdecode.drafters import candidates_of
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import GenerationResult, SpeculativeEngine, make_generator
@@ -255,7 +255,7 @@ class EngineWorker:
         except Exception as error:  # noqa: BLE001 - answered to this request alone; the loop goes on
             self._end(handle, seq, error=error)
 
-    def _answer_from_cache(self, seq: Sequence) -> bool:
+    def _answer_from_cache(self, seq: SequenceState) -> bool:
         """A deterministic request seen before: answered at once, without a slot or a forward."""
         if seq.cache_key is None:
             return False
@@ -272,7 +272,7 @@ class EngineWorker:
         self._end(handle, result=self.engine.result(seq))
         return True
 
-    def _sequence(self, handle: RequestHandle) -> Sequence:
+    def _sequence(self, handle: RequestHandle) -> SequenceState:
         request, engine = handle.request, self.engine
         prompt = request.prompt
         if request.templated:
@@ -301,7 +301,7 @@ class EngineWorker:
                     seq.tag, seq, error=RequestTimeoutError(f"the request ran past the server's limit of {limit:g} s")
                 )
 
-    def _step(self, sequences: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    def _step(self, sequences: list[SequenceState]) -> list[tuple[SequenceState, list[int]]]:
         """One step of every sequence; if it keeps failing, each sequence alone, failing only
         the sequences that fail alone too."""
         self.metrics.batch_size.observe(len(sequences))
@@ -319,7 +319,7 @@ class EngineWorker:
                 self._end(seq.tag, seq, error=error)
         return emitted
 
-    def _step_with_retries(self, sequences: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    def _step_with_retries(self, sequences: list[SequenceState]) -> list[tuple[SequenceState, list[int]]]:
         requests = [seq.tag.request for seq in sequences]
         after_forward = None if self.faults is None else functools.partial(self.faults.after_forward, requests)
         decoding = not any(seq.prefilling for seq in sequences)  # asked before the step, which ends a prefill
@@ -334,13 +334,13 @@ class EngineWorker:
             self._record_step(emitted, len(sequences), seconds)
         return emitted
 
-    def _record_step(self, emitted: list[tuple[Sequence, list[int]]], batch: int, seconds: float) -> None:
+    def _record_step(self, emitted: list[tuple[SequenceState, list[int]]], batch: int, seconds: float) -> None:
         """For the estimated speedup: the step's cost, and target-only's for the same tokens,
         from the decoder's measured cost of a forward of one token per sequence (batch tokens)."""
         tokens = sum(len(new) for _, new in emitted)
         self.metrics.observe_decode_step(seconds, tokens, batch, self.decoder.costs.seconds.get(batch))
 
-    def _deliver(self, emitted: list[tuple[Sequence, list[int]]]) -> None:
+    def _deliver(self, emitted: list[tuple[SequenceState, list[int]]]) -> None:
         now = time.perf_counter()
         for seq, tokens in emitted:
             handle = seq.tag
@@ -355,7 +355,7 @@ class EngineWorker:
     def _end(
         self,
         handle: RequestHandle,
-        seq: Sequence | None = None,
+        seq: SequenceState | None = None,
         *,
         result: GenerationResult | None = None,
         error: BaseException | None = None,
@@ -403,7 +403,7 @@ class EngineWorker:
             pass  # cancelled by its client, or answered already
         handle.publish(None)
 
-    def _leave_batch(self, seq: Sequence) -> None:
+    def _leave_batch(self, seq: SequenceState) -> None:
         """seq out of the batch, its slot free: one that was admitted part way (a slot taken,
         then a failure) has a slot but is not in the batch."""
         if any(s is seq for s in self.decoder.active):
@@ -413,7 +413,7 @@ class EngineWorker:
             self.decoder.slots.release(seq.slot)
             seq.slot = None
 
-    def _result(self, seq: Sequence) -> GenerationResult:
+    def _result(self, seq: SequenceState) -> GenerationResult:
         """A finished sequence's result, its answer remembered for the next identical request."""
         seq.stats.wall_time_s = time.perf_counter() - seq.tag.started_at
         result = self.engine.result(seq)

@@ -187,7 +187,7 @@ def test_one_scrape_holds_every_replicas_samples_by_label():
 
 def test_autoscaling_options_reach_ray_serve(monkeypatch):
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
-        monkeypatch.delenv(name)  # they would reach the replicas' options too (tests/test_ray_tracing_env.py)
+        monkeypatch.delenv(name)  # they would reach the replicas' options too (tests/server/test_ray_tracing_env.py)
     from specdecode.server.config import ServerConfig
     from specdecode.server.ray_serve import Scaling
 

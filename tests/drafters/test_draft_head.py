@@ -156,7 +156,7 @@ def test_the_heads_tree_is_one_hot_and_its_first_path_is_its_greedy_chain(tiny):
     assert first.tokens.tolist() == chain.tokens[: len(first)].tolist()
 
 
-# --- sampling: the G-test of tests/helpers.py, with a negative control ---
+# --- sampling: the G-test of tests/helpers/, with a negative control ---
 
 
 def sampling_head(seed: int = 0):

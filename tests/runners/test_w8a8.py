@@ -5,7 +5,7 @@ exact relative to that 8-bit model's own decoding.
 No sampling G-test here: a sampled token is a function of the target's logits and the random
 stream, and the tests below prove those logits bitwise equal to one-token decoding's in every
 verification shape (chains, trees, ragged batches); the accept rule's law is tested on exact
-logits elsewhere (tests/test_distribution.py, tests/test_trees.py). Equal bits leave no
+logits elsewhere (tests/decoder/test_sampling_law.py, tests/decoder/test_trees.py). Equal bits leave no
 distribution to test.
 """
 

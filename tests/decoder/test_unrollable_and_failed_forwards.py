@@ -16,7 +16,7 @@ from transformers import Lfm2Config, Lfm2ForCausalLM, MambaConfig, MambaForCausa
 from helpers import GREEDY_PROMPTS as PROMPTS
 from helpers import VOCAB, assert_drafted_and_accepted, hf_greedy, nearby_draft, tiny_llama
 from specdecode import SpeculativeEngine
-from specdecode.decoder import Sequence
+from specdecode.decoder import SequenceState
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import make_generator
 from specdecode.runners import CachedSequence, HFModelRunner
@@ -123,7 +123,7 @@ class FailingLayer:
 
 def decode_with_retries(
     engine: SpeculativeEngine, prompt: list[int], runner_lengths: list[int], fail_after_forward: int
-) -> Sequence:
+) -> SequenceState:
     """Decode one greedy sequence, running a failed step again as the server's worker does;
     runner_lengths: the target runner's cache length after each failure. The first step from
     number fail_after_forward on whose forward runs fails after it (the server's injection point)."""

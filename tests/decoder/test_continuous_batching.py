@@ -23,7 +23,7 @@ from specdecode import decoder as decoder_module
 from specdecode.core.adaptive import AdaptiveK, StepCosts
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stopping import StoppingCriteria
-from specdecode.decoder import Sequence, decode_all
+from specdecode.decoder import SequenceState, decode_all
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.engine import make_generator
 from specdecode.errors import InvalidArgumentError, PromptTooLongError
@@ -80,7 +80,7 @@ def test_batched_sampling_with_mixed_params_keeps_each_target_distribution():
     engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=3)
     engine.decoder.capacity = 8
     waiting = [
-        Sequence(
+        SequenceState(
             PROMPT,
             SamplingParams(**MIXED[i % 2]),
             StoppingCriteria(SKIP + 4),

@@ -137,7 +137,7 @@ def test_a_cluster_recorded_on_the_machine_live_or_stale_is_not_joined_by_the_te
             result = subprocess.run(
                 [sys.executable, "-m", "pytest", test, "-q", "-p", "no:randomly", "-p", "no:cacheprovider"],
                 env=inner,
-                cwd=os.path.dirname(os.path.dirname(__file__)),
+                cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),  # the repository
                 capture_output=True,
                 text=True,
                 timeout=300,

@@ -6,7 +6,7 @@ function of the whole context, so the target's exact law and its greedy text are
 without a model, and its runner (`TableRunner`) keeps the tokens at each position as its
 "cache": a tree's rejected nodes left in place would change what later tokens see, as stale
 KV entries would, unless the decoder keeps the accepted path. Sampling is checked by G-test
-(tests/helpers.py) with negative controls that must fail; greedy decoding against the
+(tests/helpers/) with negative controls that must fail; greedy decoding against the
 target's own greedy text, and on a tiny float32 Llama against transformers' `generate`.
 """
 

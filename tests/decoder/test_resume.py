@@ -22,7 +22,7 @@ from transformers import LlamaForCausalLM
 
 from helpers import SERVED_MODEL, CrashAt, head64_llama, metric, serving, tiny_tokenizer
 from specdecode import CacheOptions, SpeculativeEngine
-from specdecode.decoder import Sequence
+from specdecode.decoder import SequenceState
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.engine import make_generator
 from specdecode.runners.fast_llama import FastLlamaRunner
@@ -52,7 +52,9 @@ def engine() -> SpeculativeEngine:
     return engine
 
 
-def decode(engine: SpeculativeEngine, prompt: list[int], lose_cache_at: tuple[int, ...] = (), **sampling) -> Sequence:
+def decode(
+    engine: SpeculativeEngine, prompt: list[int], lose_cache_at: tuple[int, ...] = (), **sampling
+) -> SequenceState:
     """One sequence decoded step by step; before the steps numbered in lose_cache_at, every cache
     is forgotten, as after a crash of the server's engine worker (EngineWorker._recover)."""
     params = dict(temperature=0.0, seed=None) | sampling

@@ -8,6 +8,7 @@ Compiling takes ~10 s a size even for these tiny models, so the tests here are f
 
 import pytest
 import torch
+from test_fast_runners import half_precision_llama, verified_differs_from_alone
 from torch._dynamo.utils import counters
 from typer.testing import CliRunner
 
@@ -15,7 +16,6 @@ from helpers import assert_drafted_and_accepted
 from specdecode import CacheOptions, DrafterOptions, SpeculativeEngine
 from specdecode.cli import app
 from specdecode.errors import InvalidArgumentError
-from test_fast_runners import half_precision_llama, verified_differs_from_alone
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
