@@ -46,6 +46,7 @@ run: $(STAMP)
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
 
 # strict: a warning (a broken link or anchor, a page missing from the nav) is an error;
 # NO_MKDOCS_2_WARNING silences the Material theme's banner about its successor, which is no warning of ours

@@ -44,8 +44,8 @@ CANDIDATES = {
     "w8a8, every product": Int8Recipe(keep_float=(), smoothing=0.0),
     "w8a8, head bf16": Int8Recipe(keep_float=("head",), smoothing=0.0),
     "w8a8, down + head bf16": Int8Recipe(keep_float=("down", "head"), smoothing=0.0),
-    "w8a8, head bf16, smoothed 0.5 (random tokens)": Int8Recipe(keep_float=("head",)),
-    "w8a8 default: every product, smoothed 0.5 (random tokens)": Int8Recipe(),
+    "w8a8, every product, smoothed 0.5 (random tokens)": Int8Recipe(keep_float=()),
+    "w8a8 default: head bf16, smoothed 0.5 (random tokens)": Int8Recipe(),
 }
 SMOOTHED = {  # SmoothQuant's alpha, calibrated on CALIBRATION_TOKENS tokens of README.md
     "w8a8, head bf16, smoothed 0.5 (README.md)": (("head",), 0.5),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -50,6 +51,7 @@ from specdecode.drafters.factory import (
 from specdecode.errors import InvalidArgumentError, PromptTooLongError
 from specdecode.loading import DEFAULT_TARGET, load_model, precision_of
 from specdecode.runners import ModelRunner, runner_for
+from specdecode.runners.base import CompilableRunner
 from specdecode.runners.select import chosen_dtype
 
 __all__ = ["DRAFTERS", "CacheOptions", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
@@ -194,12 +196,13 @@ class SpeculativeEngine:
         if compile:
             engine._compile_target()
         store = engine.open_caches(cache or CacheOptions())
+        picked: Drafter | None = None if isinstance(drafter, str) else drafter
         if isinstance(drafter, str):
             load = lambda name: load_model(name, device, dtype, trust_remote_code)  # noqa: E731
-            drafter = make_drafter(drafter, draft, engine.target_runner, tokenizer, load, runner, options, store)
-        engine.drafter = drafter
+            picked = make_drafter(drafter, draft, engine.target_runner, tokenizer, load, runner, options, store)
+        engine.drafter = picked
         if engine.response_cache is not None:  # a draft model's fingerprint reads its weights: now, not in a request
-            engine.drafts_identity(candidates_of(drafter))
+            engine.drafts_identity(candidates_of(picked))
         if not keep_model_weights:
             engine.model_fingerprint()  # read the weights now, for caches opened later
             engine.target_runner.release_model_weights()
@@ -212,7 +215,7 @@ class SpeculativeEngine:
                 "runs this target: leave compile out",
                 "compile",
             )
-        self.target_runner.compile()
+        cast(CompilableRunner, self.target_runner).compile()  # compilable: it has compile()
         self.precision += ", compiled"
 
     # --- the caches (cache/engine_caches.py) ---
@@ -294,14 +297,19 @@ class SpeculativeEngine:
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidArgumentError("this model has no chat template; generate without chat (--no-chat)", "chat")
-            prompt = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
             )
-            return self.tokenizer(prompt, add_special_tokens=False).input_ids
+            assert isinstance(text, str)  # tokenize=False, one conversation: its text
+            return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer(prompt).input_ids
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if self.tokenizer is None:
+            raise InvalidArgumentError("this engine has no tokenizer: its results are token ids only", "token_ids")
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids: one string
+        return text
 
     def generate(
         self,
@@ -436,13 +444,15 @@ class SpeculativeEngine:
         return max_batch_size if self.drafts_in_batches else 1
 
     def result(self, seq: SequenceState) -> GenerationResult:
+        finish, stats = seq.finish, seq.stats
+        assert finish is not None and stats is not None, "result() of a sequence the decoder has not finished"
         text = None
         if self.tokenizer is not None:
             text = self.decode(seq.generated)
-            if seq.finish.reason == "stop" and seq.stopping.stop_strings:
+            if finish.reason == "stop" and seq.stopping.stop_strings:
                 text = _cut_at_stop_string(text, seq.stopping.stop_strings)
-        seq.stats.target_precision = self.precision
-        return GenerationResult(text, list(seq.generated), seq.prompt_ids, seq.finish.reason, seq.stats)
+        stats.target_precision = self.precision
+        return GenerationResult(text, list(seq.generated), seq.prompt_ids, finish.reason, stats)
 
     def prompt_token_ids(self, prompt: str | SequenceOf[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):

@@ -168,7 +168,8 @@ def test_one_copy_of_the_weights_in_int8():
 
 
 def test_recipes_name_products():
-    assert Int8Recipe().quantizes("head") and not Int8Recipe(keep_float=("head",)).quantizes("head")
+    assert not Int8Recipe().quantizes("head") and Int8Recipe(keep_float=()).quantizes("head")
+    assert Int8Recipe().quantizes("down") and not Int8Recipe(keep_float=("down",)).quantizes("down")
     with pytest.raises(ValueError, match="unknown products"):
         Int8Recipe(keep_float=("mlp",))
     with pytest.raises(ValueError, match="unknown quantization"):

@@ -121,8 +121,14 @@ class InProcessBackend:
     def append(self, log: str, value: bytes) -> None:
         pass  # no other process to share with
 
-    def read(self, log: str, **bounds) -> list[bytes | None]:
-        return []
+    def read(
+        self,
+        log: str,
+        max_entries: int = READ_ENTRIES,
+        max_record_bytes: int | None = None,
+        max_bytes: int = READ_BYTES,
+    ) -> list[bytes | None]:
+        return []  # no other process's records (the bounds: as Backend.read)
 
     def _drop(self, key: str) -> None:
         value = self._values.pop(key, None)

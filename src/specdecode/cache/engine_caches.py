@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdecode.cache.backends import Backend, mask_password, open_backend
+from specdecode.cache.backends import Backend, RedisBackend, mask_password, open_backend
 from specdecode.cache.draft_store import DraftStore
 from specdecode.cache.response_cache import Bounds, ResponseCache, model_fingerprint, weights_fingerprint
 from specdecode.core.stats import GenerationStats
@@ -69,6 +69,12 @@ class EngineCaches:
         decides its outputs (cache.model_fingerprint); computed once, while the weights are there."""
         if self._fingerprint is None:
             model = getattr(self.runner, "model", None)
+            if model is None:
+                raise InvalidArgumentError(
+                    f"the caches key entries by the target's weights, and {type(self.runner).__name__} has no "
+                    "`model` to read them from: open no caches (CacheOptions(response_cache=False, draft_store=False))",
+                    "cache",
+                )
             self._fingerprint = model_fingerprint(model, self.runner, self.tokenizer)
             self._weights_fingerprint = weights_fingerprint(model, self.tokenizer)
         return self._fingerprint
@@ -77,10 +83,11 @@ class EngineCaches:
         """Open the backend, turn the response cache on where it is exact; the draft store."""
         if not (options.response_cache or options.draft_store):
             return None
-        self.backend = open_backend(options.url, options.max_mb << 20)
-        if options.url is not None and options.require_backend and not self.backend.ping():
+        backend = open_backend(options.url, options.max_mb << 20)  # Redis exactly when options.url is set
+        self.backend = backend
+        if isinstance(backend, RedisBackend) and options.require_backend and not backend.ping():
             raise InvalidArgumentError(
-                f"no Redis answered at --cache-url {mask_password(options.url)}; start it or leave the option out",
+                f"no Redis answered at --cache-url {backend.masked_url}; start it or leave the option out",
                 "cache_url",
             )
         secret = options.secret_in_use
@@ -93,12 +100,13 @@ class EngineCaches:
             )
         vocab = self.runner.vocab_size
         if options.response_cache:
-            self.use(ResponseCache(self.backend, self.fingerprint(), vocab, secret=secret))
+            self.use(ResponseCache(backend, self.fingerprint(), vocab, secret=secret))
         if not options.draft_store:
             return None
         self.fingerprint()  # drafts are verified: any runner and kernels of this model may share them
         namespace = self._weights_fingerprint
-        return DraftStore(self.backend, namespace, vocab, max_record_tokens=self.max_length, secret=secret)
+        assert namespace is not None  # fingerprint() sets both
+        return DraftStore(backend, namespace, vocab, max_record_tokens=self.max_length, secret=secret)
 
     def use(self, cache: ResponseCache) -> None:
         """Serve repeated deterministic requests from cache, where outputs do not depend on the

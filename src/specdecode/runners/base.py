@@ -56,3 +56,10 @@ class ModelRunner(Protocol):
     def release_model_weights(self) -> None:
         """Free the transformers model's copies of the weights this runner keeps in a layout of
         its own, so that they are held once; the model cannot run afterwards."""
+
+
+class CompilableRunner(ModelRunner, Protocol):
+    """A runner whose `compilable` is True."""
+
+    def compile(self) -> None:
+        """Make the forwards for one sequence run compiled by torch.compile, with the same results."""

@@ -76,11 +76,12 @@ class Int8Recipe:
     SmoothQuant's smoothing (smoothing.py; alpha, 0 for none), calibrated on a forward of
     `calibration` (token ids; empty: CALIBRATION_TOKENS ids drawn uniformly from the vocabulary
     with a fixed seed, so that no text is needed and the model is the same at every load). The
-    default quantizes every product, the head too, and smooths all but o (whose input comes from
-    attention, with no weight before it to fold into): benchmarks/int8.py measures each choice's
-    perplexity and speed (docs/quantization.md)."""
+    default quantizes every product but the output head, whose int8 products cost the most
+    perplexity, and smooths all but o (whose input comes from attention, with no weight before
+    it to fold into): benchmarks/int8.py measures each choice's perplexity and speed
+    (docs/quantization.md)."""
 
-    keep_float: tuple[str, ...] = ()
+    keep_float: tuple[str, ...] = ("head",)
     smoothing: float = 0.5
     calibration: tuple[int, ...] = ()
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import uvicorn
 from fastapi import Depends, FastAPI
@@ -37,6 +37,14 @@ if TYPE_CHECKING:
     from specdecode.server.tracing import Tracing
 
 logger = logging.getLogger("specdecode.server")
+
+
+class _Pages(TypedDict, total=False):
+    """FastAPI's own pages (None: off), as create_app passes them."""
+
+    openapi_url: str | None
+    docs_url: str | None
+    redoc_url: str | None
 
 
 def create_app(
@@ -81,7 +89,7 @@ def create_app(
 
     keyed = config.api_key is not None
     # with a key, FastAPI's own /openapi.json, /docs and /redoc are off; the schema is served below, keyed
-    pages = dict(openapi_url=None, docs_url=None, redoc_url=None) if keyed else {}
+    pages: _Pages = dict(openapi_url=None, docs_url=None, redoc_url=None) if keyed else {}
     app = FastAPI(title="specdecode", lifespan=lifespan, **pages)
     app.state.server = ServerState(engine, worker, metrics, config, tracing)
     app.state.worker, app.state.metrics = worker, metrics
