@@ -449,7 +449,7 @@ def test_greedy_tree_decoding_is_the_targets_greedy_text(k):
     assert sum(r.stats.tree_steps for r in results) > 0
     assert sum(r.stats.accepted_tokens for r in results) > 0  # tree drafts verified and kept
     assert any(offsets != list(range(len(offsets))) for _, _, offsets in keeps)  # paths moved in the cache
-    batched = engine.generate_batched(TABLE_PROMPTS, max_new_tokens=40, max_batch_size=3)
+    batched = engine.generate(TABLE_PROMPTS, max_new_tokens=40, max_batch_size=3)
     assert [r.token_ids for r in batched] == expected
 
 
@@ -551,7 +551,7 @@ def test_a_tree_step_that_fails_changes_nothing_and_its_retry_gives_the_same_out
     table = Table(13)
     drafter = TreeDrafter(oracle_trees(table_truth(table), table.vocab, seed=5))
     kwargs = dict(max_new_tokens=30, temperature=1.0, seed=4, max_batch_size=3)
-    expected = [r.token_ids for r in table_engine(table, drafter, 6).generate_batched(TABLE_PROMPTS, **kwargs)]
+    expected = [r.token_ids for r in table_engine(table, drafter, 6).generate(TABLE_PROMPTS, **kwargs)]
 
     engine = table_engine(table, drafter, 6)
     decoder, calls = engine.decoder, {"steps": 0, "keeps": 0}
@@ -669,7 +669,7 @@ def test_greedy_tree_decoding_equals_transformers_generate_on_a_tiny_llama(runne
     assert sum(r.stats.accepted_tokens for r in results) > 0 and sum(r.stats.tree_accepted_depth for r in results) > 0
     assert any(offsets != list(range(len(offsets))) for _, _, offsets in keeps)
     if runner == "fast":
-        batched = engine.generate_batched(GREEDY_PROMPTS, max_new_tokens=30, max_batch_size=3)
+        batched = engine.generate(GREEDY_PROMPTS, max_new_tokens=30, max_batch_size=3)
         assert [r.token_ids for r in batched] == [expected[tuple(p)] for p in GREEDY_PROMPTS]
 
 

@@ -84,7 +84,7 @@ def test_a_target_whose_cache_cannot_roll_back_decodes_target_only_and_says_so()
     engine = SpeculativeEngine(target, drafter=ModelDrafter(HFModelRunner(nearby_draft(target, 0.3))))
     for results in (
         engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS),
-        engine.generate_batched(PROMPTS, max_new_tokens=NEW_TOKENS),
+        engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, max_batch_size=8),
     ):
         assert [r.token_ids for r in results] == expected
         for result in results:

@@ -114,7 +114,7 @@ def test_greedy_with_the_head_in_a_batch_equals_transformers_generate(tiny):
     """Each sequence of a batch has a head state of its own (fork) and gets its own rows' features."""
     target, engine, head, _, _ = tiny
     view = engine.with_drafter(HeadDrafter(head), num_speculative_tokens=3, adaptive=False)
-    results = view.generate_batched(GREEDY_PROMPTS, max_new_tokens=30, max_batch_size=3)
+    results = view.generate(GREEDY_PROMPTS, max_new_tokens=30, max_batch_size=3)
     for prompt, result in zip(GREEDY_PROMPTS, results):
         assert result.token_ids == hf_greedy(target, prompt, 30), prompt
     assert_drafted_and_accepted(results)

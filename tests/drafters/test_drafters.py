@@ -175,8 +175,8 @@ def test_lookup_history_reaches_the_sequences_of_batches_and_the_next_call():
 
     def accepted(use_history: bool) -> int:
         engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(2, 3, use_history=use_history))
-        engine.generate_batched([first, [20, 3, 20, 3]], max_new_tokens=30, max_batch_size=2)
-        result = engine.generate_batched([replay], max_new_tokens=12)[0]
+        engine.generate([first, [20, 3, 20, 3]], max_new_tokens=30, max_batch_size=2)
+        result = engine.generate([replay], max_new_tokens=12, max_batch_size=8)[0]
         assert result.token_ids == answer[12:24]
         return result.stats.accepted_tokens
 

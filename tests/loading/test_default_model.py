@@ -90,7 +90,7 @@ def test_batched_greedy_output_equals_transformers_generate_on_the_real_model(en
     """Continuous batching on real weights: the stacked forward must not flip a greedy choice."""
     engine.drafter = PromptLookupDrafter()
     prompts = PROMPTS + ["Copy this sentence exactly: the quick brown fox jumps over the lazy dog."]
-    results = engine.generate_batched(prompts, max_new_tokens=32, chat=True, max_batch_size=4)
+    results = engine.generate(prompts, max_new_tokens=32, chat=True, max_batch_size=4)
     assert sum(r.stats.accepted_tokens for r in results) > 0
     model = engine.target_runner.model
     for prompt, result in zip(prompts, results):
@@ -121,9 +121,9 @@ def test_bfloat16_batches_and_speculation_reproduce_bfloat16_target_only_decodin
     alone = bf16.generate(prompts, **kwargs)
     assert [r.token_ids for r in alone] == expected
     assert sum(r.stats.accepted_tokens for r in alone) > 0
-    batched = bf16.generate_batched(prompts, max_batch_size=8, **kwargs)
+    batched = bf16.generate(prompts, max_batch_size=8, **kwargs)
     assert [r.token_ids for r in batched] == expected
-    target_only_batched = bf16.with_drafter(None, 0).generate_batched(prompts, max_batch_size=8, **kwargs)
+    target_only_batched = bf16.with_drafter(None, 0).generate(prompts, max_batch_size=8, **kwargs)
     assert [r.token_ids for r in target_only_batched] == expected
 
 

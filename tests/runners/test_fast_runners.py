@@ -219,7 +219,7 @@ def test_bfloat16_speculation_reproduces_bfloat16_target_only_decoding():
     speculative = engine.generate(prompts, max_new_tokens=60)
     assert sum(r.stats.accepted_tokens for r in speculative) > 0  # drafts were verified and kept
     assert [r.token_ids for r in speculative] == target_only
-    batched = engine.generate_batched(prompts, max_new_tokens=60, max_batch_size=3)
+    batched = engine.generate(prompts, max_new_tokens=60, max_batch_size=3)
     assert [r.token_ids for r in batched] == target_only
 
 

@@ -136,7 +136,7 @@ def test_speculation_over_the_8_bit_target_equals_its_own_target_only_decoding(r
     speculative = engine.generate(prompts, max_new_tokens=60)
     assert_drafted_and_accepted(speculative)
     assert [r.token_ids for r in speculative] == target_only
-    batched = engine.generate_batched(prompts, max_new_tokens=60, max_batch_size=3)
+    batched = engine.generate(prompts, max_new_tokens=60, max_batch_size=3)
     assert_drafted_and_accepted(batched)
     assert [r.token_ids for r in batched] == target_only
 

@@ -58,8 +58,13 @@ def magpie_instructions(
     found: list[str] = []
     batch, attempt = 32, 0
     while len(found) < count and attempt < 4 * count:
-        results = engine.generate_batched(
-            [prefix] * batch, max_new_tokens=max_tokens, temperature=1.0, seed=seed + attempt, stop="\n"
+        results = engine.generate(
+            [prefix] * batch,
+            max_new_tokens=max_tokens,
+            temperature=1.0,
+            seed=seed + attempt,
+            stop="\n",
+            max_batch_size=8,
         )
         attempt += batch
         for result in results:
@@ -117,12 +122,13 @@ def answers(
         for group, sampled in ((greedy, False), (drawn, True)):
             if not group:
                 continue
-            results = engine.generate_batched(
+            results = engine.generate(
                 group,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature if sampled else 0.0,
                 seed=seed + start if sampled else None,
                 chat=chat,
+                max_batch_size=8,
             )
             samples += [Sample(r.prompt_token_ids, r.token_ids, sampled) for r in results if r.token_ids]
         if on_batch is not None:
