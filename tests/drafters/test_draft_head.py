@@ -30,8 +30,9 @@ from helpers import (
     sample_counts,
     target_and_draft,
     tiny_llama,
+    tiny_tokenizer,
 )
-from specdecode import SpeculativeEngine
+from specdecode import DrafterOptions, SpeculativeEngine
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters.base import Draft
 from specdecode.drafters.head import (
@@ -295,3 +296,27 @@ def test_prompts_leave_held_out_ones_out_and_refuse_spec_bench(tmp_path):
     path.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Write."]}) + "\n")
     with pytest.raises(InvalidArgumentError, match="Spec-Bench"):
         data.read_prompts(path, held_out=[])
+
+
+def test_from_pretrained_drafts_with_a_head_folder_by_name_and_in_auto(tiny, tmp_path):
+    """`--drafter head --draft DIR` (and `auto` with a head folder as --draft) load the head
+    for the target and draft with it; greedy output stays transformers' own."""
+    target, _, head, _, _ = tiny
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer(24).save_pretrained(tmp_path / "target")
+    save_head(head, tmp_path / "head")
+    common = dict(draft=str(tmp_path / "head"), runner="transformers", num_speculative_tokens=3)
+    engine = SpeculativeEngine.from_pretrained(
+        str(tmp_path / "target"), drafter="head", options=DrafterOptions(adaptive=False), **common
+    )
+    assert isinstance(engine.drafter, HeadDrafter)
+    results = engine.generate(GREEDY_PROMPTS, max_new_tokens=30)
+    for prompt, result in zip(GREEDY_PROMPTS, results):
+        expected = hf_greedy(target, prompt, 30)
+        # the saved tokenizer names token 0 <eos>, where the engine stops (transformers' run has none)
+        assert result.token_ids == (expected[: expected.index(0) + 1] if 0 in expected else expected), prompt
+    assert_drafted_and_accepted(results)
+    auto = SpeculativeEngine.from_pretrained(str(tmp_path / "target"), drafter="auto", **common)
+    assert any(isinstance(c, HeadDrafter) for c in auto.drafter.candidates)
+    with pytest.raises(InvalidArgumentError, match="is no draft head folder"):
+        SpeculativeEngine.from_pretrained(str(tmp_path / "target"), drafter="head", draft=str(tmp_path))
