@@ -18,6 +18,7 @@ from helpers.models import (
     tiny_gpt2,
     tiny_llama,
     tiny_tokenizer,
+    verified_differs_from_alone,
 )
 from helpers.services import (
     SERVED_MODEL,
@@ -85,5 +86,6 @@ __all__ = [
     "tiny_gpt2",
     "tiny_llama",
     "tiny_tokenizer",
+    "verified_differs_from_alone",
     "wait_for",
 ]

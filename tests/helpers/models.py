@@ -176,3 +176,19 @@ def bnb_llama(seed: int, vocab_size: int = VOCAB, init: float = 0.3) -> LlamaFor
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def verified_differs_from_alone(runner, n: int = 6, starts=range(10, 290, 20), length: int = 300) -> int:
+    """How many verification forwards of n tokens (one after each of `starts` cached tokens of a
+    fixed random sequence of `length`) give logits not bitwise equal to decoding their tokens
+    one at a time."""
+    tokens = torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(1))
+    differ = 0
+    for start in starts:
+        runner.reset()
+        runner.forward(tokens[:start], 1)
+        together = runner.forward(tokens[start : start + n], n)
+        runner.crop(start)
+        alone = torch.cat([runner.forward(tokens[start + j : start + j + 1], 1) for j in range(n)])
+        differ += not torch.equal(together, alone)
+    return differ

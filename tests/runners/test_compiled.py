@@ -8,11 +8,11 @@ Compiling takes ~10 s a size even for these tiny models, so the tests here are f
 
 import pytest
 import torch
-from test_fast_runners import half_precision_llama, verified_differs_from_alone
+from test_fast_runners import half_precision_llama
 from torch._dynamo.utils import counters
 from typer.testing import CliRunner
 
-from helpers import assert_drafted_and_accepted
+from helpers import assert_drafted_and_accepted, verified_differs_from_alone
 from specdecode import CacheOptions, DrafterOptions, SpeculativeEngine
 from specdecode.cli import app
 from specdecode.errors import InvalidArgumentError

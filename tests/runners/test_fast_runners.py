@@ -20,7 +20,15 @@ from transformers import (
 )
 
 from helpers import GREEDY_PROMPTS as PROMPTS
-from helpers import assert_drafted_and_accepted, head64_llama, hf_greedy, tiny_causal_lm, tiny_gpt2, tiny_llama
+from helpers import (
+    assert_drafted_and_accepted,
+    head64_llama,
+    hf_greedy,
+    tiny_causal_lm,
+    tiny_gpt2,
+    tiny_llama,
+    verified_differs_from_alone,
+)
 from specdecode import SpeculativeEngine
 from specdecode.cpu import cpu_flags
 from specdecode.drafters import PromptLookupDrafter
@@ -110,21 +118,6 @@ def half_precision_llama(dtype: torch.dtype = torch.bfloat16, hidden: int = 64, 
         tie_word_embeddings=False,
     )
     return FastLlamaRunner(LlamaForCausalLM(config).eval().to(dtype))
-
-
-def verified_differs_from_alone(runner: FastLlamaRunner, n: int = 6) -> int:
-    """How many of 14 verification forwards of n tokens give logits not bitwise equal to
-    decoding their tokens one at a time."""
-    tokens = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1))
-    differ = 0
-    for start in range(10, 290, 20):
-        runner.reset()
-        runner.forward(tokens[:start], 1)
-        together = runner.forward(tokens[start : start + n], n)
-        runner.crop(start)
-        alone = torch.cat([runner.forward(tokens[start + j : start + j + 1], 1) for j in range(n)])
-        differ += not torch.equal(together, alone)
-    return differ
 
 
 # The negative controls below show the rounding that per-query attention and 32-row products

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+import helpers
 from helpers import assert_drafted_and_accepted, head64_llama, tiny_tokenizer
 from specdecode import InvalidArgumentError, SpeculativeEngine
 from specdecode.drafters import PromptLookupDrafter
@@ -40,17 +41,8 @@ def tokens(n: int, seed: int = 1) -> torch.Tensor:  # [n]
 
 
 def verified_differs_from_alone(runner: FastLlamaRunner, n: int) -> int:
-    """How many of 8 verification forwards of n tokens differ bitwise from decoding their tokens
-    one at a time."""
-    ids, differ = tokens(200), 0
-    for start in range(10, 170, 20):
-        runner.reset()
-        runner.forward(ids[:start], 1)
-        together = runner.forward(ids[start : start + n], n)
-        runner.crop(start)
-        alone = torch.cat([runner.forward(ids[start + j : start + j + 1], 1) for j in range(n)])
-        differ += not torch.equal(together, alone)
-    return differ
+    """Of 8 verification forwards of n tokens, how many differ bitwise from decoding them alone."""
+    return helpers.verified_differs_from_alone(runner, n, starts=range(10, 170, 20), length=200)
 
 
 def per_batch_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
