@@ -12,13 +12,20 @@ calibration: no text needed) or on README.md. For each:
   cached tokens, the candidates interleaved in one process, alternated every repeat;
 - resident memory added by loading the model, building the runner and freeing the float
   weights it replaced, in a fresh process per candidate (--memory).
+--paths adds the default recipe on the products' slower paths (the same bits, other costs): torch's
+operations around oneDNN's int8 product (quantize, product, scale, round, bias: about 11
+operations a product), and the C quantization and epilogue around oneDNN's product (3 calls);
+the default candidates run this package's int8 kernel where the CPU has AVX512-VNNI (1 call
+after the quantization; int8_kernel.py).
 
     .venv/bin/python benchmarks/int8.py [--tokens 2048] [--specbench ../shared/specbench/question.jsonl]
-        [--repeats 15] [--prefix 200] [--memory] [--out FILE]
+        [--repeats 15] [--prefix 200] [--memory] [--paths] [--out FILE]
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -34,6 +41,7 @@ import torch.nn.functional as F
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.bench.tables import markdown_table
 from specdecode.loading import DEFAULT_TARGET, give_freed_memory_back, load_model
+from specdecode.runners import int8_kernel
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +63,55 @@ CALIBRATION_TOKENS = 512
 SIZES = (1, 8, 16)
 
 
-def runner_of(model, recipe: Int8Recipe | None) -> FastLlamaRunner:
+@dataclasses.dataclass(frozen=True)
+class OnPath:
+    """The default recipe on one of the products' paths: "torch" (torch's operations around
+    oneDNN's product) or "onednn" (the C quantization and epilogue around it)."""
+
+    path: str
+
+
+PATHS = {
+    "w8a8 default, torch operations around oneDNN (before)": OnPath("torch"),
+    "w8a8 default, C quantization + epilogue around oneDNN": OnPath("onednn"),
+}
+
+
+@contextlib.contextmanager
+def without_kernel():
+    """int8_kernel.load() answers None meanwhile: products built are oneDNN's, calls run torch's."""
+    kept = list(int8_kernel._ready)
+    int8_kernel._ready[:] = [None]
+    try:
+        yield
+    finally:
+        int8_kernel._ready[:] = kept
+
+
+class PathRunner:
+    """A runner whose products were built for oneDNN and whose calls run on `path`."""
+
+    def __init__(self, model, path: str):
+        with without_kernel():
+            self.runner = FastLlamaRunner(model, "w8a8", Int8Recipe())
+        self.path = path
+
+    def __getattr__(self, name: str):
+        value = getattr(self.runner, name)
+        if not callable(value) or self.path != "torch":
+            return value
+
+        def call(*args, **kwargs):
+            with without_kernel():
+                return value(*args, **kwargs)
+
+        return call
+
+
+def runner_of(model, recipe: Int8Recipe | OnPath | None):
+    int8_kernel.load()  # built before a path switches it off
+    if isinstance(recipe, OnPath):
+        return PathRunner(model, recipe.path)
     return FastLlamaRunner(model) if recipe is None else FastLlamaRunner(model, "w8a8", recipe)
 
 
@@ -112,6 +168,7 @@ def memory_of(name: str) -> None:
     before = rss()
     model, tokenizer = load_model(DEFAULT_TARGET, "cpu", "bfloat16")
     add_smoothed(tokenizer)
+    CANDIDATES.update(PATHS)
     runner = runner_of(model, CANDIDATES[name])
     runner.release_model_weights()
     runner.forward(torch.arange(16), 16)
@@ -139,6 +196,7 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="also measure resident memory, a process each")
     parser.add_argument("--no-speed", action="store_true", help="perplexity (and memory) only")
     parser.add_argument("--only", nargs="*", help="these candidates (and bfloat16) only")
+    parser.add_argument("--paths", action="store_true", help="also the default recipe on the slower product paths")
     parser.add_argument("--memory-of", help=argparse_hidden())
     args = parser.parse_args()
     if args.memory_of:
@@ -146,7 +204,9 @@ def main() -> None:
         return
     model, tokenizer = load_model(DEFAULT_TARGET, "cpu", "bfloat16")
     add_smoothed(tokenizer)
-    for name in [n for n in CANDIDATES if args.only and n != "bfloat16" and n not in args.only]:
+    if args.paths:
+        CANDIDATES.update(PATHS)
+    for name in [n for n in CANDIDATES if args.only and n not in ("bfloat16", *PATHS) and n not in args.only]:
         del CANDIDATES[name]
     texts = {"design.md": TEXT.read_text()}
     if args.specbench:

@@ -9,6 +9,7 @@ logits elsewhere (tests/decoder/test_sampling_law.py, tests/decoder/test_trees.p
 distribution to test.
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import helpers
 from helpers import assert_drafted_and_accepted, head64_llama, tiny_tokenizer
 from specdecode import InvalidArgumentError, SpeculativeEngine
 from specdecode.drafters import PromptLookupDrafter
-from specdecode.runners import projection
+from specdecode.runners import int8_kernel, native, projection
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 from specdecode.runners.projection import Int8Projection, int8_projection, int8_supported
 
@@ -240,3 +241,170 @@ def test_folded_weights_keep_no_autograd_graph():
     runner = int8_runner(Int8Recipe())
     kept = [runner.final_norm] + [w for layer in runner.layers for w in (layer.attn_norm, layer.mlp_norm)]
     assert all(w.grad_fn is None for w in kept)
+
+
+# ---- the C kernels (int8_kernel.py): the torch operations' bits, one call instead of many ----
+
+kernel = int8_kernel.load()
+needs_own_product = pytest.mark.skipif(projection.own_kernel() is None, reason="no AVX512-VNNI: oneDNN's products run")
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (torch.equal takes -0.0 for 0.0)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+def awkward_rows(n: int, inputs: int, dtype: torch.dtype, seed: int) -> torch.Tensor:  # [n, inputs]
+    """Rows of one scale each, from 1e-38 (float32's denormals) to 1e30, a row of zeros, a row
+    of one value (the largest code exactly), and halves that round to even."""
+    generator = torch.Generator().manual_seed(seed)
+    magnitudes = 10.0 ** torch.randint(-38, 31, (n, 1), generator=generator).float()
+    x = torch.randn(n, inputs, generator=generator) * magnitudes
+    x[0] = 0.0
+    if n > 2 and inputs >= 4:
+        x[1] = -3.0
+        x[2, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: codes at exact halves
+    return x.to(dtype)
+
+
+@pytest.fixture(scope="module", params=["as built", "without AVX-512"])
+def c_kernel(request, tmp_path_factory) -> int8_kernel.Int8Kernel:
+    """The kernel as built for this CPU, and the same source built without AVX-512 (its scalar
+    quantization and epilogue, what CPUs without AVX-512 run)."""
+    if kernel is None:
+        pytest.skip("no C compiler: the products run torch's operations")
+    if request.param == "as built":
+        return kernel
+    path = tmp_path_factory.mktemp("w8a8") / "w8a8-without-avx512.so"
+    command = ["gcc", *native.flags(), "-mno-avx512f", "-o", str(path), str(int8_kernel.SOURCE), "-lm"]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    portable = int8_kernel.Int8Kernel(native.open_library(path, int8_kernel.ABI_VERSION))
+    assert not portable.vnni
+    return portable
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_c_quantization_gives_the_torch_operations_bits(c_kernel, dtype):
+    kernel = c_kernel
+    for n in range(1, 41):
+        for inputs in (576, 1536, 19, 1):
+            x = awkward_rows(n, inputs, dtype, seed=n * 7 + inputs)
+            codes, scales = kernel.quantize_rows(x)
+            torch_codes, torch_scales = projection.quantize_rows_torch(x)
+            assert torch.equal(codes, torch_codes) and same_bits(scales, torch_scales), (n, inputs)
+    strided = awkward_rows(8, 1200, dtype, seed=3)[:, 100:676]  # rows apart by more than their length
+    assert all(
+        torch.equal(a, b) for a, b in zip(kernel.quantize_rows(strided), projection.quantize_rows_torch(strided))
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_c_epilogue_gives_the_torch_operations_bits(c_kernel, dtype):
+    kernel = c_kernel
+    generator = torch.Generator().manual_seed(4)
+    for n in (1, 2, 5, 16, 33, 40):
+        for out in (576, 960, 17, 5000):
+            sums = torch.randn(n, out, generator=generator) * 10.0 ** torch.randint(
+                -30, 30, (n, 1), generator=generator
+            )
+            _, row_scales = projection.quantize_rows_torch(awkward_rows(n, 64, dtype, seed=n))
+            for bias in (None, torch.randn(out, generator=generator).to(dtype)):
+                expected = projection.epilogue_torch(sums, row_scales, bias, dtype)
+                assert same_bits(kernel.epilogue(sums, row_scales, bias, dtype), expected), (n, out)
+
+
+def test_the_bit_comparison_catches_one_ulp():
+    """Negative control of the comparisons above: one element one ulp away is another result."""
+    for dtype in BITS:
+        y = torch.randn(4, 8, generator=torch.Generator().manual_seed(6)).to(dtype)
+        moved = y.clone()
+        moved.view(BITS[dtype])[2, 5] += 1  # the next representable value
+        assert same_bits(y, y.clone()) and not same_bits(y, moved)
+        assert 0 < (moved - y).abs().max() <= y[2, 5].abs() * 2**-7  # one ulp: close, not equal
+    assert not same_bits(torch.zeros(3), -torch.zeros(3))  # which torch.equal would take
+
+
+def onednn_twin(product: Int8Projection, weight: torch.Tensor) -> Int8Projection:  # weight [out, in]
+    """The same codes and scales, prepacked for oneDNN's kernel."""
+    limit = projection.weight_limit()
+    codes = torch.round(weight / product.scales[:, None]).clamp_(-limit, limit).to(torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(codes, [1, weight.shape[1]])
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
+    return Int8Projection(packed, product.scales, zero_points, product.bias, product.shape)
+
+
+@needs_own_product
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_own_int8_kernel_gives_onednn_s_bits(dtype):
+    """Products of the model's shapes (and a last group of 40 columns), 1 to 40 rows, in one call
+    and after a separate quantization; the all-positive case makes sums beyond 2^24, where the
+    int32 to float32 conversion rounds."""
+    generator = torch.Generator().manual_seed(5)
+    for out, inputs in ((576, 576), (192, 576), (1536, 576), (576, 1536), (1000, 64)):
+        weight = torch.randn(out, inputs, generator=generator)
+        for bias in (None, torch.randn(out, generator=generator).to(dtype)):
+            own = int8_projection(weight, bias)
+            assert own.compensation is not None  # the own layout
+            onednn = onednn_twin(own, weight)
+            for n in (1, 2, 5, 6, 7, 8, 13, 16, 32, 40):
+                x = awkward_rows(n, inputs, dtype, seed=n + out)
+                expected = onednn(x)
+                assert same_bits(own(x), expected), (out, inputs, n)  # one call, quantizing too
+                codes, row_scales = projection.quantize_rows(x)  # and after a quantization of its own
+                two_calls = kernel.product(codes, row_scales, own.weight, own.compensation, own.scales, bias, dtype)
+                assert same_bits(two_calls, expected), (out, inputs, n)
+    weight = torch.rand(64, 1536, generator=generator) * 0.1 + 1.0  # codes 116 .. 127
+    positive = (torch.rand(3, 1536, generator=generator) * 0.1 + 1.0).to(dtype)
+    own = int8_projection(weight, None)
+    integer_sums = own.sums(projection.quantize_rows(positive)[0]) / own.scales  # [3, 64], about
+    assert integer_sums.abs().min() > 2**24
+    assert same_bits(own(positive), onednn_twin(own, weight)(positive))
+
+
+@needs_own_product
+def test_the_own_int8_kernel_gives_the_same_bits_on_one_thread_and_on_two():
+    """Threads split the product by output columns and the quantization by rows: no sum is split."""
+    product = int8_projection(torch.randn(3072, 576, generator=torch.Generator().manual_seed(7)), None)
+    x = awkward_rows(20, 576, torch.bfloat16, seed=8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = product(x)
+        torch.set_num_threads(1)
+        assert same_bits(product(x), two)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_kernel_is_chosen_from_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(projection, "cpu_flags", lambda: frozenset({"avx512f", "avx2"}))
+    assert projection.own_kernel() is None
+    assert int8_projection(torch.randn(64, 64), None).compensation is None  # oneDNN's layout
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # a CPU without VNNI, for oneDNN and for us
+    monkeypatch.setattr(projection, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
+    assert projection.own_kernel() is None
+
+
+def test_without_the_c_kernel_w8a8_runs_torch_s_operations_with_the_same_bits(monkeypatch, caplog):
+    """A build that fails: one warning, oneDNN's products and torch's operations, and every
+    logit as the kernels give it (so the response cache's fingerprint need not tell them
+    apart: runner_variant is the same)."""
+    from specdecode.cache.response_cache import runner_variant
+
+    ids, verified = tokens(40), tokens(8, seed=5)
+    with_kernels = int8_runner()
+    expected = [with_kernels.forward(ids, 3), with_kernels.forward(verified, 8)]
+
+    def no_compiler(key: str):
+        raise RuntimeError("no gcc on PATH")
+
+    monkeypatch.setattr(int8_kernel, "_loaded", {})
+    monkeypatch.setattr(int8_kernel, "_ready", [])
+    monkeypatch.setattr(int8_kernel, "_build", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="specdecode.runners.int8_kernel"):
+        without = int8_runner()
+    assert caplog.text.count("w8a8 kernel unavailable") == 1
+    assert all(p.compensation is None for layer in without.layers for p in (layer.qkv, layer.o, layer.gate_up))
+    assert same_bits(without.forward(ids, 3), expected[0]) and same_bits(without.forward(verified, 8), expected[1])
+    assert runner_variant(without) == runner_variant(with_kernels)

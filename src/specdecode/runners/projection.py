@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.cpu import cpu_flags, has_amx, has_avx512
+from specdecode.runners import int8_kernel
 from specdecode.runners.opaque import onednn_linear
 
 QUANTIZATIONS = (None, "int8")
@@ -141,32 +142,52 @@ ACTIVATION_ZERO_POINT = 128  # int8 activations travel as uint8 codes + 128, the
 class Int8Projection:
     """y = x W^T + b with int8 weights and int8 activations (the `w8a8` quantization): W holds
     int8 codes per output channel (one float scale each), every row of x is quantized on a scale
-    of its own, from that row alone, and oneDNN's prepacked kernel sums code products in int32.
+    of its own, from that row alone, and a kernel sums code products in int32: this package's
+    own (int8_kernel.py, on CPUs with AVX512-VNNI: `compensation` given) or oneDNN's prepacked one.
 
     Why a row's result cannot depend on the rows beside it: integer sums are exact whatever the
-    kernel's blocking or the row count, the kernel's epilogue multiplies each sum by its column's
-    weight scale (one float product per element: one rounding, the same in every kernel), and
-    the row's own scale is applied after, element by element. tests/runners/test_w8a8.py checks it bit
-    for bit, with a negative control (one activation scale for the whole batch).
+    kernel's blocking or the row count, each sum is multiplied by its column's weight scale (one
+    float product per element: one rounding, the same in every kernel), and the row's own scale
+    is applied after, element by element. tests/runners/test_w8a8.py checks it bit for bit, with
+    a negative control (one activation scale for the whole batch), and checks that both kernels
+    give the same bits.
 
     On CPUs without VNNI (AVX512-VNNI, AVX-VNNI or AMX), oneDNN multiplies u8 x s8 pairs into
     saturating 16-bit sums; weights of 7 bits (|code| <= 63) keep every pair sum in range, so the
     sums stay exact there too (`weight_limit`)."""
 
-    weight: torch.Tensor  # oneDNN's prepacked int8 weight (torch.ops.onednn.qlinear_prepack)
+    # oneDNN's prepacked int8 weight (torch.ops.onednn.qlinear_prepack), or with `compensation`
+    # the codes in int8_kernel's layout (Int8Kernel.pack): one copy either way
+    weight: torch.Tensor
     scales: torch.Tensor  # [out] float32: the weight scale of each output channel
-    zero_points: torch.Tensor  # [out] int64 zeros: symmetric weights
+    zero_points: torch.Tensor | None  # [out] int64 zeros (symmetric weights) for oneDNN; None with compensation
     bias: torch.Tensor | None  # [out], in the activations' dtype
     shape: tuple[int, int]  # (out, in)
+    compensation: torch.Tensor | None = None  # [out] int32: 128 x each channel's code sum (own kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] in x's dtype
+        # the own layout is made only where int8_kernel loaded, and a loaded kernel stays loaded
+        if self.compensation is not None and quantize_rows is _QUANTIZE_ROWS and _own_kernel_takes_x(x, self.bias):
+            return int8_kernel.load().quantized_product(x, self.weight, self.compensation, self.scales, self.bias)
         codes, row_scales = quantize_rows(x)
-        sums = torch.ops.onednn.qlinear_pointwise(
+        if self.compensation is not None and _own_kernel_takes(codes, row_scales, self.bias, x.dtype):
+            return int8_kernel.load().product(
+                codes, row_scales, self.weight, self.compensation, self.scales, self.bias, x.dtype
+            )
+        sums = self.sums(codes)
+        return epilogue(sums, row_scales, self.bias, x.dtype)  # [n, out]
+
+    def sums(self, codes: torch.Tensor) -> torch.Tensor:  # uint8 [n, in] -> [n, out] float32
+        """Each row's integer sums times its columns' weight scales (before the row's scale)."""
+        if self.compensation is not None:  # the own layout, through the float32 epilogue
+            ones = torch.ones(codes.shape[0], 1)
+            return int8_kernel.load().product(
+                codes, ones, self.weight, self.compensation, self.scales, None, torch.float32
+            )
+        return torch.ops.onednn.qlinear_pointwise(
             codes, 1.0, ACTIVATION_ZERO_POINT, self.weight, self.scales, self.zero_points,
             None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
-        y = (sums * row_scales).to(x.dtype)  # [n, out]
-        return y if self.bias is None else y + self.bias
 
     @property
     def is_copy(self) -> bool:
@@ -174,35 +195,99 @@ class Int8Projection:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this product keeps: one int8 code per weight, a float scale per channel."""
-        out, inputs = self.shape
-        return (
-            out * inputs
-            + out * (self.scales.element_size() + self.zero_points.element_size())
-            + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
-        )
+        """Bytes this product keeps: one int8 code per weight (and the own layout's padding of its
+        last group), a float scale and a zero point or a compensation per channel."""
+        codes = self.weight.numel() if self.compensation is not None else self.shape[0] * self.shape[1]
+        tensors = [t for t in (self.scales, self.zero_points, self.compensation, self.bias) if t is not None]
+        return codes + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _own_kernel_takes(codes, row_scales, bias, dtype) -> bool:
+    return (
+        dtype in int8_kernel.DTYPES
+        and codes.is_contiguous()
+        and row_scales.dtype == torch.float32
+        and row_scales.shape == (codes.shape[0], 1)
+        and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
+    )
+
+
+def _own_kernel_takes_x(x: torch.Tensor, bias: torch.Tensor | None) -> bool:  # [n, in]
+    return int8_kernel.Int8Kernel.supports(x) and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
 
 
 def quantize_rows(
     x: torch.Tensor,  # [n, in]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # uint8 codes [n, in] (zero point 128), float32 scales [n, 1]
-    """Each row on its own symmetric scale: its largest magnitude maps to 127."""
+    """Each row on its own symmetric scale: its largest magnitude maps to 127. One C call
+    (int8_kernel.py) where it is built, else torch's operations: the same bits either way."""
+    kernel = int8_kernel.load()
+    if kernel is not None and kernel.supports(x):
+        return kernel.quantize_rows(x)
+    return quantize_rows_torch(x)
+
+
+# what the own kernel's one call quantizes as: where quantize_rows is replaced by another
+# quantization (a test's negative control), products call that one and multiply its codes
+_QUANTIZE_ROWS = quantize_rows
+
+
+def quantize_rows_torch(
+    x: torch.Tensor,  # [n, in]
+) -> tuple[torch.Tensor, torch.Tensor]:  # uint8 codes [n, in] (zero point 128), float32 scales [n, 1]
+    """quantize_rows in torch's operations: the arithmetic the C kernel gives bit for bit."""
     x = x.float()
     scales = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)
     codes = torch.round(x / scales).add_(ACTIVATION_ZERO_POINT).to(torch.uint8)
     return codes, scales
 
 
+def epilogue(
+    sums: torch.Tensor,  # [n, out] float32: integer sums times their columns' weight scales
+    row_scales: torch.Tensor,  # [n, 1] float32
+    bias: torch.Tensor | None,  # [out] of dtype
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [n, out] of dtype
+    """Each row's sums times its scale, rounded to the activations' dtype, plus the bias: one C
+    call where it is built, else torch's operations (the same bits)."""
+    kernel = int8_kernel.load()
+    if kernel is not None and kernel.epilogue_supports(sums, row_scales, bias, dtype):
+        return kernel.epilogue(sums, row_scales, bias, dtype)
+    return epilogue_torch(sums, row_scales, bias, dtype)
+
+
+def epilogue_torch(sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """epilogue in torch's operations: the arithmetic the C kernel gives bit for bit."""
+    y = (sums * row_scales).to(dtype)
+    return y if bias is None else y + bias
+
+
 def int8_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Projection:  # weight [out, in]
-    """The w8a8 product of a float weight: int8 codes per output channel, prepacked for oneDNN."""
+    """The w8a8 product of a float weight: int8 codes per output channel, packed for this
+    package's kernel where it runs (own_kernel), else prepacked for oneDNN."""
     weight = weight.detach().float()
     limit = weight_limit()
     scales = weight.abs().amax(dim=1).clamp_min(1e-30) / limit  # [out] float32
     codes = torch.round(weight / scales[:, None]).clamp_(-limit, limit).to(torch.int8)
+    bias = bias.detach().clone() if bias is not None else None
+    shape = (weight.shape[0], weight.shape[1])
+    kernel = own_kernel()
+    if kernel is not None and kernel.packs(shape):  # the codes in its layout only: no oneDNN copy
+        compensation = codes.sum(dim=1, dtype=torch.int32) * ACTIVATION_ZERO_POINT
+        return Int8Projection(kernel.pack(codes), scales, None, bias, shape, compensation)
     packed = torch.ops.onednn.qlinear_prepack(codes, [1, weight.shape[1]])
     zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
-    bias = bias.detach().clone() if bias is not None else None
-    return Int8Projection(packed, scales, zero_points, bias, (weight.shape[0], weight.shape[1]))
+    return Int8Projection(packed, scales, zero_points, bias, shape)
+
+
+def own_kernel() -> int8_kernel.Int8Kernel | None:
+    """This package's int8 product kernel where it runs: built with AVX512-VNNI, on a CPU whose
+    flags list it, and oneDNN not capped below VNNI (a cap stands for a CPU without it: CPUs with
+    AVX-VNNI alone or AMX keep oneDNN's kernel). Same bits as oneDNN's; faster for few rows."""
+    kernel = int8_kernel.load()
+    if kernel is None or not kernel.vnni or "avx512_vnni" not in cpu_flags() or not has_vnni():
+        return None
+    return kernel
 
 
 def weight_limit() -> int:

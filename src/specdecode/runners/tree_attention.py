@@ -6,9 +6,8 @@ their count (the C file states the arithmetic). So one call per layer gives ever
 sequence, decoded alone, verified in a chain or in a tree, the same bits: a tree node whose
 ancestors sit at other cache slots gets what decoding its path alone gets.
 
-The shared library is compiled with gcc for this CPU (-march=native) into a per-user cache
-directory, named by a hash of the source, the compiler, its flags and the CPU's flags, so that
-a binary built for one CPU never runs on another sharing the disk. Without gcc, or if the
+The shared library is compiled with gcc for this CPU (native.py: a per-user cache directory,
+named by a hash of the source, the compiler, its flags and the CPU's flags). Without gcc, or if the
 build fails, `load()` returns None (one warning in the log) and the runners keep SDPA, one query
 at a time. `make setup` builds it ahead, so that parallel tests do not all build it at once.
 """
@@ -16,28 +15,18 @@ at a time. `make setup` builds it ahead, so that parallel tests do not all build
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from specdecode.cpu import cpu_flags
+from specdecode.runners import native
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "tree_attention.c"
-# no FMA contraction, no reassociation: the C expressions are the arithmetic (see the source)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
-# threads from torch's own OpenMP runtime (GNU libgomp: the kernel's libgomp.so.1 resolves to the
-# copy torch loaded, so both share one pool of threads); a thread count never changes a bit
-OPENMP_FLAGS = ("-fopenmp",)
+SOURCE = native.CSRC / "tree_attention.c"
 ABI_VERSION = 3
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 256  # the C file's MAX_DIM
@@ -46,14 +35,9 @@ _lock = threading.Lock()
 _loaded: dict[str, TreeAttention | None] = {}
 
 
-@functools.cache
-def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-
-
 def kernel_identity() -> str:
     """What the response cache fingerprints: answers from another kernel are other bits."""
-    return f"tree-attention:{source_hash()}"
+    return f"tree-attention:{native.source_hash(SOURCE)}"
 
 
 class _Args(ctypes.Structure):  # the C file's Args
@@ -152,84 +136,17 @@ def load() -> TreeAttention | None:
         return _loaded[key]
 
 
-@functools.cache
 def _build_key() -> str:
-    """The source as this process first read it, with what compiles it and the CPU it runs on."""
-    compiler = shutil.which("gcc")
-    parts = [SOURCE.read_bytes().hex(), " ".join(_flags()), " ".join(sorted(cpu_flags())), str(compiler)]
-    if compiler is not None:
-        parts.append(_compiler_version(compiler))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
-
-
-def _flags() -> tuple[str, ...]:
-    return FLAGS + (OPENMP_FLAGS if _torch_runs_libgomp() else ())
-
-
-def _torch_runs_libgomp() -> bool:
-    """Whether torch parallelises with GNU OpenMP and has loaded its libgomp (another runtime,
-    such as Intel's, would start a second pool of threads beside torch's)."""
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return False
-    try:
-        return "libgomp" in Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-
-
-def _compiler_version(compiler: str) -> str:
-    try:
-        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
+    return native.build_key(SOURCE)
 
 
 def _load(key: str) -> TreeAttention | None:
     try:
-        path = _build(key)
-        library = ctypes.CDLL(str(path))
-        if library.sd_abi_version() != ABI_VERSION:
-            raise OSError(f"{path} is not ABI version {ABI_VERSION}")
-        if len(_libgomp_files()) > 1:
-            raise OSError(f"loading {path} brought a second OpenMP runtime beside torch's")
-        return TreeAttention(library)
+        return TreeAttention(native.open_library(_build(key), ABI_VERSION))
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         log.warning("tree attention kernel unavailable (%s): attention runs one query at a time", error)
         return None
 
 
-def _libgomp_files() -> set[str]:
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return set()
-    return {line.split()[-1] for line in maps if "libgomp" in line}
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdecode"
-
-
-def _build(key: str) -> Path:
-    target = cache_dir() / f"tree_attention-{key}.so"
-    if target.exists():
-        return target
-    compiler = shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no gcc on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # built beside its final name and renamed: another process never loads a half-written file
-    fd, partial = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.partial", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *_flags(), "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"gcc failed: {result.stderr.strip()[:500]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
-    return target
+def _build(key: str) -> Path:  # a test replaces it with a failing build
+    return native.build(SOURCE, key)

@@ -1,0 +1,175 @@
+"""The w8a8 products' float work in C (csrc/w8a8.c): the per-row activation quantization and the
+epilogue (sums times row scales, to the model's dtype, plus bias), built on first use
+(native.py) and loaded with ctypes.
+
+Each call replaces a sequence of torch operations (projection.quantize_rows_torch, and
+`(sums * row_scales).to(dtype) + bias`) and gives their bits: the same float32 operations in the
+same order, each element on its own (the C file states the arithmetic; tests/runners/test_w8a8.py
+compares them bit for bit). So a product's results do not depend on which path ran, and the
+response cache's fingerprint does not name it. Without gcc, or if the build fails, `load()`
+returns None (one warning in the log) and the products keep the torch operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from specdecode.runners import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = native.CSRC / "w8a8.c"
+ABI_VERSION = 3
+GROUP = 64  # output columns of a packed group (the C file's GROUP)
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_loaded: dict[str, Int8Kernel | None] = {}
+_ready: list[Int8Kernel | None] = []  # the kernel once loaded: read without the lock on every product
+
+
+class Int8Kernel:
+    def __init__(self, library: ctypes.CDLL):
+        self._library = library  # kept: the functions below point into it
+        i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+        self._quantize = library.sd_quantize_rows
+        self._quantize.argtypes = [i32, i64, i64, ptr, i64, ptr, ptr, i32]
+        self._epilogue = library.sd_epilogue
+        self._epilogue.argtypes = [i32, i64, i64, ptr, ptr, i64, ptr, ptr, i32]
+        self._product = library.sd_w8a8_product
+        self._product.argtypes = [i32, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32]
+        self._quantized_product = library.sd_w8a8_quantized_product
+        self._quantized_product.argtypes = [i32, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32]
+        for function in (self._quantize, self._epilogue, self._product, self._quantized_product):
+            function.restype = ctypes.c_int
+        self.vnni = bool(library.sd_w8a8_vnni())  # built with AVX512-VNNI: product() runs
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:  # [n, in]
+        return x.device.type == "cpu" and x.dtype in DTYPES and x.dim() == 2 and x.stride(1) == 1
+
+    def quantize_rows(
+        self,
+        x: torch.Tensor,  # [n, in], supports(x)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # uint8 codes [n, in] (zero point 128), float32 scales [n, 1]
+        n, k = x.shape
+        codes = torch.empty(n, k, dtype=torch.uint8)
+        scales = torch.empty(n, 1, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        if self._quantize(
+            DTYPES[x.dtype], n, k, x.data_ptr(), x.stride(0), codes.data_ptr(), scales.data_ptr(), threads
+        ):
+            raise ValueError(f"w8a8 quantization refused x of {x.dtype}, shape {tuple(x.shape)}")
+        return codes, scales
+
+    def epilogue(
+        self,
+        sums: torch.Tensor,  # [n, out] float32, contiguous
+        row_scales: torch.Tensor,  # [n, 1] float32
+        bias: torch.Tensor | None,  # [out] of dtype, contiguous
+        dtype: torch.dtype,  # in DTYPES
+    ) -> torch.Tensor:  # [n, out] of dtype: (sums * row_scales).to(dtype) + bias, bit for bit
+        n, m = sums.shape
+        out = torch.empty(n, m, dtype=dtype)
+        bias_pointer = None if bias is None else bias.data_ptr()
+        if self._epilogue(
+            DTYPES[dtype], n, m, sums.data_ptr(), row_scales.data_ptr(), row_scales.stride(0), bias_pointer,
+            out.data_ptr(), torch.get_num_threads(),
+        ):  # fmt: skip
+            raise ValueError(f"w8a8 epilogue refused sums of shape {tuple(sums.shape)} to {dtype}")
+        return out
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:  # [out, in] int8 -> [groups, in / 4, GROUP, 4] int8
+        """The weight codes in product()'s layout (the C file's): GROUP columns a group, then
+        quads of inputs, each column's four codes together; zero codes pad the last group."""
+        out, inputs = codes.shape
+        groups = -(-out // GROUP)
+        padded = torch.zeros(groups * GROUP, inputs, dtype=torch.int8)
+        padded[:out] = codes
+        return padded.view(groups, GROUP, inputs // 4, 4).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def packs(shape: tuple[int, int]) -> bool:  # (out, in)
+        return shape[1] % 4 == 0 and shape[1] < 2**16  # int32 sums stay exact below 2^16 inputs
+
+    def product(
+        self,
+        codes: torch.Tensor,  # [n, in] uint8 contiguous, from quantize_rows
+        row_scales: torch.Tensor,  # [n, 1] float32
+        packed: torch.Tensor,  # pack()'s layout
+        compensation: torch.Tensor,  # [out] int32: 128 x each output column's code sum
+        weight_scales: torch.Tensor,  # [out] float32
+        bias: torch.Tensor | None,  # [out] of dtype, contiguous
+        dtype: torch.dtype,  # in DTYPES
+    ) -> torch.Tensor:  # [n, out] of dtype: what oneDNN's product and epilogue() give, bit for bit
+        (n, k), m = codes.shape, compensation.shape[0]
+        out = torch.empty(n, m, dtype=dtype)
+        bias_pointer = None if bias is None else bias.data_ptr()
+        if self._product(
+            DTYPES[dtype], n, k, m, codes.data_ptr(), row_scales.data_ptr(), row_scales.stride(0), packed.data_ptr(),
+            compensation.data_ptr(), weight_scales.data_ptr(), bias_pointer, out.data_ptr(), torch.get_num_threads(),
+        ):  # fmt: skip
+            raise ValueError(f"w8a8 product refused codes of shape {tuple(codes.shape)} to {dtype}")
+        return out
+
+    def quantized_product(
+        self,
+        x: torch.Tensor,  # [n, in], supports(x)
+        packed: torch.Tensor,  # pack()'s layout
+        compensation: torch.Tensor,  # [out] int32
+        weight_scales: torch.Tensor,  # [out] float32
+        bias: torch.Tensor | None,  # [out] of x's dtype, contiguous
+    ) -> torch.Tensor:  # [n, out] of x's dtype: product(*quantize_rows(x), ...) in one call
+        (n, k), m = x.shape, compensation.shape[0]
+        out = torch.empty(n, m, dtype=x.dtype)
+        bias_pointer = None if bias is None else bias.data_ptr()
+        if self._quantized_product(
+            DTYPES[x.dtype], n, k, m, x.data_ptr(), x.stride(0), packed.data_ptr(), compensation.data_ptr(),
+            weight_scales.data_ptr(), bias_pointer, out.data_ptr(), torch.get_num_threads(),
+        ):  # fmt: skip
+            raise ValueError(f"w8a8 product refused x of {x.dtype}, shape {tuple(x.shape)}")
+        return out
+
+    @staticmethod
+    def epilogue_supports(sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None, dtype) -> bool:
+        """Whether epilogue() takes these (else the torch expression runs)."""
+        return (
+            dtype in DTYPES
+            and sums.dtype == torch.float32
+            and sums.is_contiguous()
+            and row_scales.dtype == torch.float32
+            and row_scales.shape == (sums.shape[0], 1)
+            and (bias is None or (bias.dtype == dtype and bias.is_contiguous() and bias.shape == (sums.shape[1],)))
+        )
+
+
+def load() -> Int8Kernel | None:
+    """The kernel, built for this CPU once per process (and once per machine and source); None
+    where it cannot be built, with one warning."""
+    if _ready:
+        return _ready[0]
+    with _lock:
+        key = native.build_key(SOURCE)
+        if key not in _loaded:
+            _loaded[key] = _load(key)
+        _ready[:] = [_loaded[key]]
+        return _loaded[key]
+
+
+def _load(key: str) -> Int8Kernel | None:
+    try:
+        return Int8Kernel(native.open_library(_build(key), ABI_VERSION))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        log.warning("w8a8 kernel unavailable (%s): its products run on torch operations", error)
+        return None
+
+
+def _build(key: str) -> Path:  # a test replaces it with a failing build
+    return native.build(SOURCE, key)
