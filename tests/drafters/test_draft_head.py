@@ -7,11 +7,17 @@ trained in seconds inside the tests.
 - sampling with the head's q (zero off its vocabulary) keeps the target's law (G-test), and a
   q that is not zero there is caught (negative control);
 - a head saved and loaded drafts the same; an interrupted training resumed from its checkpoint
-  ends with bitwise the weights of an uninterrupted one (and another seed's differ).
+  ends with bitwise the weights of an uninterrupted one (and another seed's differ);
+- a head records its target's fingerprint (the same in float32 and bfloat16, and from a saved
+  folder): `shipped_head` finds the head trained for the target and never another's, `auto`
+  drafts with it (greedy output transformers' own, the head's drafts kept; before recycling
+  on a target that verifies trees), `shipped_head=False` switches it off, and the response
+  cache's drafter identity tells two heads apart.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -29,20 +35,25 @@ from helpers import (
     hf_greedy,
     sample_counts,
     target_and_draft,
+    tiny_gpt2,
     tiny_llama,
     tiny_tokenizer,
 )
 from specdecode import DrafterOptions, SpeculativeEngine
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters.base import Draft
+from specdecode.drafters.factory import drafter_identity
 from specdecode.drafters.head import (
     HEAD_CONFIG,
+    HEAD_WEIGHTS,
     HeadDrafter,
     head_config,
     is_head_folder,
     load_head,
     new_head,
     save_head,
+    shipped_head,
+    target_fingerprint,
 )
 from specdecode.errors import InvalidArgumentError
 from specdecode.runners import HFModelRunner
@@ -78,8 +89,8 @@ def examples_for(target, engine, vocab_size: int, prompts: int = 32, new_tokens:
     return vocabulary, layers, collect(target, samples, layers, 256)
 
 
-def untrained_head(target, vocabulary, layers, seed=0):
-    return new_head(target, head_config(target, layers, len(vocabulary)), vocabulary, seed)
+def untrained_head(target, vocabulary, layers, seed=0, target_name=None):
+    return new_head(target, head_config(target, layers, len(vocabulary), target_name), vocabulary, seed)
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +132,27 @@ def test_greedy_with_the_head_in_a_batch_equals_transformers_generate(tiny):
     assert_drafted_and_accepted(results)
 
 
-def test_greedy_head_trees_on_the_fast_runner_equal_transformers_generate():
+@pytest.fixture(scope="module")
+def tree_target():
+    """A target of head size 64 on the fast runner (where it verifies trees and keeps hidden
+    states, else the test skips), and a head trained on its answers."""
     target = head64_llama(seed=2, dtype=torch.float32, vocab_size=64, initializer_range=0.1)
     runner = FastLlamaRunner(target)
     if not (runner.verifies_trees and hasattr(runner, "hidden_layers")):
         pytest.skip("this fast runner verifies no trees or keeps no hidden states")
-    engine = SpeculativeEngine(runner, drafter=None)
     vocabulary, layers, examples = examples_for(target, SpeculativeEngine(target, runner="transformers"), 64)
     head = untrained_head(target, vocabulary, layers)
     train(head, examples, TrainConfig(epochs=4, lr=2e-3))
-    prompts = [[p % 64 for p in prompt] for prompt in GREEDY_PROMPTS]
+    return target, runner, head
+
+
+TREE_PROMPTS = [[p % 64 for p in prompt] for prompt in GREEDY_PROMPTS]
+
+
+def test_greedy_head_trees_on_the_fast_runner_equal_transformers_generate(tree_target):
+    target, runner, head = tree_target
+    engine = SpeculativeEngine(runner, drafter=None)
+    prompts = TREE_PROMPTS
     view = engine.with_drafter(HeadDrafter(head, tree=True), num_speculative_tokens=6, adaptive=False)
     results = view.generate(prompts, max_new_tokens=30)
     for prompt, result in zip(prompts, results):
@@ -320,3 +342,144 @@ def test_from_pretrained_drafts_with_a_head_folder_by_name_and_in_auto(tiny, tmp
     assert any(isinstance(c, HeadDrafter) for c in auto.drafter.candidates)
     with pytest.raises(InvalidArgumentError, match="is no draft head folder"):
         SpeculativeEngine.from_pretrained(str(tmp_path / "target"), drafter="head", draft=str(tmp_path))
+
+
+# --- which target: the fingerprint, the shipped head, auto ---
+
+
+def test_the_target_fingerprint_is_the_same_in_float32_bfloat16_and_a_saved_folder(tmp_path):
+    target = tiny_llama(seed=3, vocab_size=24)
+    fingerprint = target_fingerprint(target)
+    assert target_fingerprint(copy.deepcopy(target).to(torch.bfloat16)) == fingerprint
+    target.save_pretrained(tmp_path)
+    reloaded = type(target).from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert target_fingerprint(reloaded) == fingerprint
+    # the comparison can fail: another model of the same shapes, or one embedding row moved
+    assert target_fingerprint(tiny_llama(seed=4, vocab_size=24)) != fingerprint
+    moved = copy.deepcopy(target)
+    with torch.no_grad():
+        moved.get_input_embeddings().weight[0] += 0.5
+    assert target_fingerprint(moved) != fingerprint
+
+
+def heads_folder(tmp_path, tiny):
+    """heads/mine: the trained head of `tiny`'s target; heads/other: a head for another target
+    of the same shapes (named other-target)."""
+    target, _, head, _, _ = tiny
+    other = tiny_llama(seed=4, vocab_size=24, max_positions=256, init=0.3)
+    save_head(head, tmp_path / "heads" / "mine")
+    foreign = untrained_head(other, head.vocabulary, head.config.feature_layers, target_name="other-target")
+    save_head(foreign, tmp_path / "heads" / "other")
+    return tmp_path / "heads", other
+
+
+def test_shipped_head_finds_the_head_for_its_target_and_never_another_targets(tiny, tmp_path):
+    target, _, head, _, _ = tiny
+    heads, other = heads_folder(tmp_path, tiny)
+    assert head.config.target_fingerprint == target_fingerprint(target)
+    assert shipped_head(target, heads) == heads / "mine"
+    assert shipped_head(other, heads) == heads / "other"
+    assert shipped_head(tiny_llama(seed=5, vocab_size=24), heads) is None  # no head for this one
+    assert shipped_head(target, tmp_path / "absent") is None
+    assert shipped_head(tiny_gpt2(seed=0), heads) is None  # no Llama-family target: no head drafts for it
+    (heads / "mine" / HEAD_CONFIG).unlink()
+    assert shipped_head(target, heads) is None  # the other target's head is not taken instead
+    # by name (--drafter head --draft DIR), another target's head is an error naming draft
+    with pytest.raises(InvalidArgumentError, match="trained for 'other-target'") as caught:
+        load_head(heads / "other", target)
+    assert caught.value.param == "draft"
+
+
+def saved_target(target, tokenizer_vocab: int, folder):
+    target.save_pretrained(folder)
+    tiny_tokenizer(tokenizer_vocab).save_pretrained(folder)
+    return str(folder)
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    """The saved tokenizer names token 0 <eos>, where the engine stops (transformers' run has none)."""
+    return tokens[: tokens.index(0) + 1] if 0 in tokens else tokens
+
+
+def assert_the_head_drafted_and_was_kept(results):
+    drafted, accepted = (sum(r.stats.drafted_by_source.get("head", [0, 0])[i] for r in results) for i in (0, 1))
+    assert drafted > 0 and accepted > 0, [r.stats.drafted_by_source for r in results]
+
+
+def test_auto_drafts_with_the_shipped_head_for_its_target(tiny, tmp_path, monkeypatch):
+    """A chain target (transformers' runner): prompt lookup, the draft store, then the head."""
+    target, _, _, _, _ = tiny
+    heads, _ = heads_folder(tmp_path, tiny)
+    monkeypatch.setattr("specdecode.drafters.head.SHIPPED_HEADS", heads)
+    folder = saved_target(target, 24, tmp_path / "target")
+    common = dict(runner="transformers", dtype="float32", num_speculative_tokens=3)
+    engine = SpeculativeEngine.from_pretrained(folder, options=DrafterOptions(adaptive=False), **common)  # k pinned
+    assert [c.name for c in engine.drafter.candidates] == ["prompt-lookup", "suffix", "head"]
+    results = engine.generate(GREEDY_PROMPTS, max_new_tokens=30)
+    for prompt, result in zip(GREEDY_PROMPTS, results):
+        assert result.token_ids == until_eos(hf_greedy(target, prompt, 30)), prompt
+    assert_the_head_drafted_and_was_kept(results)
+    # switched off, auto is what it is without a head
+    off = SpeculativeEngine.from_pretrained(folder, options=DrafterOptions(shipped_head=False), **common)
+    assert [c.name for c in off.drafter.candidates] == ["prompt-lookup", "suffix"]
+    with pytest.raises(InvalidArgumentError, match="applies to drafter 'auto' only") as caught:
+        SpeculativeEngine.from_pretrained(folder, drafter="recycling", options=DrafterOptions(shipped_head=False))
+    assert caught.value.param == "shipped_head"
+    # another target's head, given by name, is refused before anything drafts
+    with pytest.raises(InvalidArgumentError, match="other-target") as caught:
+        SpeculativeEngine.from_pretrained(folder, drafter="head", draft=str(heads / "other"), **common)
+    assert caught.value.param == "draft"
+
+
+def test_auto_on_a_tree_target_tries_the_shipped_head_before_recycling(tree_target, tmp_path, monkeypatch):
+    """Recycling always proposes a tree, so the head comes before it, after prompt lookup and
+    the draft store; without a head, auto keeps recycling first."""
+    target, _, head = tree_target
+    save_head(head, tmp_path / "heads" / "mine")
+    monkeypatch.setattr("specdecode.drafters.head.SHIPPED_HEADS", tmp_path / "heads")
+    folder = saved_target(target, 64, tmp_path / "target")
+    common = dict(dtype="float32", num_speculative_tokens=6)
+    engine = SpeculativeEngine.from_pretrained(folder, options=DrafterOptions(adaptive=False), **common)  # k pinned
+    assert [c.name for c in engine.drafter.candidates] == ["prompt-lookup", "suffix", "head", "recycling"]
+    assert engine.drafter.candidates[2].drafts_trees
+    results = engine.generate(TREE_PROMPTS, max_new_tokens=30)
+    for prompt, result in zip(TREE_PROMPTS, results):
+        assert result.token_ids == until_eos(hf_greedy(target, prompt, 30)), prompt
+    assert_the_head_drafted_and_was_kept(results)
+    assert sum(r.stats.tree_steps for r in results) > 0
+    # k pinned: the head, which has features after the prefill, proposes every step, so recycling never does
+    assert all("recycling" not in r.stats.drafted_by_source for r in results)
+    off = SpeculativeEngine.from_pretrained(folder, options=DrafterOptions(shipped_head=False), **common)
+    assert [c.name for c in off.drafter.candidates] == ["recycling", "prompt-lookup", "suffix"]
+
+
+def test_the_cache_identity_of_a_head_is_its_weights_vocabulary_and_drafting(tiny, tmp_path):
+    _, _, head, untrained, _ = tiny
+    identity = drafter_identity(HeadDrafter(head))
+    assert identity is not None and identity == drafter_identity(HeadDrafter(head).fork())
+    assert identity != drafter_identity(HeadDrafter(untrained))
+    assert identity != drafter_identity(HeadDrafter(head, tree=True))
+    save_head(head, tmp_path)
+    assert drafter_identity(HeadDrafter(load_head(tmp_path, tiny[0]))) == identity  # float32: bitwise the same
+    changed = copy.deepcopy(head)
+    assert drafter_identity(HeadDrafter(changed)) == identity
+    with torch.no_grad():
+        changed.fc.weight[0, 0] += 1e-3  # as an optimizer step does: in place
+    assert drafter_identity(HeadDrafter(changed)) != identity
+
+
+def test_a_head_stored_in_bfloat16_loads_as_float32_and_drafts_exactly(tiny, tmp_path):
+    target, engine, head, _, _ = tiny
+    save_head(head, tmp_path / "float32")
+    save_head(head, tmp_path / "bfloat16", dtype=torch.bfloat16)
+    sizes = [(tmp_path / name / HEAD_WEIGHTS).stat().st_size for name in ("float32", "bfloat16")]
+    assert sizes[1] < 0.6 * sizes[0]
+    loaded = load_head(tmp_path / "bfloat16", target)
+    for name, value in head.state_dict().items():
+        assert loaded.state_dict()[name].dtype == torch.float32, name
+        assert torch.equal(loaded.state_dict()[name], value.to(torch.bfloat16).float()), name
+    view = engine.with_drafter(HeadDrafter(loaded), num_speculative_tokens=3, adaptive=False)
+    results = view.generate(GREEDY_PROMPTS, max_new_tokens=30)
+    for prompt, result in zip(GREEDY_PROMPTS, results):
+        assert result.token_ids == hf_greedy(target, prompt, 30), prompt
+    assert_drafted_and_accepted(results)

@@ -6,6 +6,7 @@ import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -13,7 +14,7 @@ from specdecode.cache import DraftStore, model_fingerprint
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
-from specdecode.drafters.head import HeadDrafter, is_head_folder, load_head
+from specdecode.drafters.head import HeadDrafter, is_head_folder, load_head, shipped_head
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.recycling import RecyclingDrafter
@@ -51,6 +52,7 @@ class DrafterOptions:
     draft_quantization: str | None = None
     min_confidence: float = 0.0  # model drafters stop after a token they give less probability
     recycling_width: int = 8  # recycling: the target's candidates kept per token
+    shipped_head: bool = True  # auto without a draft: draft with the head shipped for the target, if one
 
 
 def verifies_trees(target: ModelRunner) -> bool:
@@ -63,6 +65,11 @@ def check_drafter_options(name: str, options: DrafterOptions) -> None:
     width = options.recycling_width
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise InvalidArgumentError(f"recycling_width must be an integer >= 1, got {width!r}", "recycling_width")
+    if not options.shipped_head and name != "auto":
+        raise InvalidArgumentError(
+            f"--no-shipped-head applies to drafter 'auto' only, not to '{name}' (which drafts with no shipped head)",
+            "shipped_head",
+        )
     if options.draft_quantization is None:
         return
     if name != "self-quantized":
@@ -94,22 +101,23 @@ def check_drafter_name(name: str, draft: object) -> None:
 
 def make_drafter(
     name: str,
-    draft: str | PreTrainedModel | None,
+    draft: str | Path | PreTrainedModel | None,
     target: ModelRunner,
     tokenizer: PreTrainedTokenizerBase | None,
     load: Loader,
     runner: str,
     options: DrafterOptions,
     store: DraftStore | None = None,
+    heads: str | Path | None = None,
 ) -> Drafter | None:
     """The drafter `name` drafting for target (a runner with `.model`), draft loaded by `load`;
-    store: the cross-request draft store, for `suffix` and `auto`."""
+    store: the cross-request draft store, for `suffix` and `auto`; heads: the folder of shipped
+    heads `auto` looks in (default: the package's, drafters.head.SHIPPED_HEADS)."""
     check_drafter_name(name, draft)
     check_drafter_options(name, options)
     if name == "none":
         return None
     trees = verifies_trees(target)
-    lookup = _lookup(options, tree=False)
     if name == "prompt-lookup":
         return _lookup(options, tree=trees)
     if name == "recycling":
@@ -121,32 +129,62 @@ def make_drafter(
     if name == "self-quantized":
         quantization = options.draft_quantization or "bfloat16"
         return self_quantized_drafter(target.model, quantization, options.min_confidence)
+    given = _given_drafter(name, draft, target, tokenizer, load, runner, options, heads)
+    return _auto(target, options, store, given) if name == "auto" else given
+
+
+def _given_drafter(
+    name: str,
+    draft: str | Path | PreTrainedModel | None,
+    target: ModelRunner,
+    tokenizer: PreTrainedTokenizerBase | None,
+    load: Loader,
+    runner: str,
+    options: DrafterOptions,
+    heads: str | Path | None,
+) -> Drafter | None:
+    """The drafter of `draft`: a draft head's folder or a draft model; for `auto` without one,
+    the head shipped for the target (unless options.shipped_head is off), if there is one."""
     if name == "head" and not is_head_folder(draft):
         raise InvalidArgumentError(
             f"{draft} is no draft head folder (config.json, head.safetensors, vocabulary.json): "
             "make one with specdecode train-draft --output DIR",
             "draft",
         )
-    if name in ("head", "auto") and is_head_folder(
-        draft
-    ):  # the head reads the target's embedding, norm and head rows: before they are freed
-        model_drafter = HeadDrafter(load_head(draft, target.model), tree=trees)
-    elif draft is not None:
-        model_drafter = _draft_model_drafter(name, draft, target, tokenizer, load, runner, options)
+    if name == "auto" and draft is None and options.shipped_head:
+        draft = shipped_head(getattr(target, "model", None), heads)
+    if name in ("head", "auto") and is_head_folder(draft):
+        # the head reads the target's embedding, norm and head rows: before they are freed
+        return HeadDrafter(load_head(draft, target.model), tree=verifies_trees(target))
+    if draft is not None:
+        return _draft_model_drafter(name, draft, target, tokenizer, load, runner, options)
+    return None
+
+
+def _auto(target: ModelRunner, options: DrafterOptions, store: DraftStore | None, given: Drafter | None) -> Drafter:
+    """`auto`'s candidates. Each step the decoder tries them in order and the first that proposes
+    drafts wins; with adaptive k each proposes only while it pays (core/adaptive.py), so one that
+    always proposes hides those after it whenever it pays. In order:
+    - prompt lookup: only where the text repeats the prompt or itself (a tree if the target verifies trees);
+    - the draft store (`suffix`): only where earlier requests' text continues this one;
+    - the given drafter: a draft head (the folder given as draft, or the head shipped for the
+      target) or a draft model;
+    - where the target verifies trees, recycling (the target's own past predictions, prompt
+      lookup's continuations first), which proposes wherever its table knows the last token,
+      nearly every step: after a head, which drafts from the target's own hidden states;
+      without one, first, with the others after it for seeded samples, which skip recycling
+      (its table depends on history)."""
+    trees = verifies_trees(target)
+    store_drafter = SuffixDrafter(store) if store is not None else None
+    lookup = _lookup(options, tree=trees)
+    if not trees:
+        candidates = [lookup, store_drafter, given]
+    elif isinstance(given, HeadDrafter):
+        candidates = [lookup, store_drafter, given, _recycling(target, options, trees)]
     else:
-        model_drafter = None
-    if name == "auto" and trees:
-        # recycling (prompt lookup inside) always has a tree to propose; the lookup tree and the
-        # draft store after it draft for seeded samples, which skip recycling (its table depends
-        # on history), and the store still learns every finished request
-        store_drafter = SuffixDrafter(store) if store is not None else None
-        candidates = [_recycling(target, options, trees), _lookup(options, tree=True), store_drafter, model_drafter]
-        return AutoDrafter([c for c in candidates if c is not None])
-    if name == "auto":  # cheapest first: the prompt, then earlier requests, then a draft model
-        candidates = [lookup, SuffixDrafter(store) if store is not None else None, model_drafter]
-        candidates = [c for c in candidates if c is not None]
-        return AutoDrafter(candidates) if len(candidates) > 1 else lookup
-    return model_drafter
+        candidates = [_recycling(target, options, trees), lookup, store_drafter, given]
+    candidates = [c for c in candidates if c is not None]
+    return AutoDrafter(candidates) if len(candidates) > 1 else candidates[0]
 
 
 def _lookup(options: DrafterOptions, tree: bool) -> PromptLookupDrafter:

@@ -16,6 +16,11 @@ and greedy drafts are argmaxes, verified like any other. Its features are the ta
 states of tokens already accepted, delivered after each verification by the decoder
 (`learn_hidden`): never anything of the step being verified.
 
+Which target. A head's config records the fingerprint of the target it was trained on
+(`target_fingerprint`): a head is loaded only for that target (`load_head`), and `auto` drafts
+with the head shipped in the package for its target (`shipped_head`, in specdecode/heads/).
+A head for another target would draft correctly, since drafts are verified, but uselessly.
+
 Cache. The head keeps its own small KV cache: rows computed from the target's features are kept
 (and cropped when the sequence's tokens change under them), rows computed from its own outputs
 (the draft) are dropped at the next proposal, as the target's rejected drafts are.
@@ -28,9 +33,11 @@ and itself); the draft is the k offered nodes most likely reached.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import math
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,6 +53,8 @@ from specdecode.drafters.tree import TreeBuilder
 from specdecode.errors import InvalidArgumentError
 
 HEAD_CONFIG, HEAD_WEIGHTS, HEAD_VOCABULARY = "config.json", "head.safetensors", "vocabulary.json"
+SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads"  # package data: one folder per head
+FINGERPRINT_ROWS = 8  # input embedding and output head rows hashed, spread over the vocabulary
 TREE_BRANCHING = 4  # children offered per expanded node, and nodes expanded per level
 
 
@@ -63,6 +72,8 @@ class HeadConfig:
     target_vocab_size: int
     draft_vocab_size: int
     training: dict = field(default_factory=dict)  # how it was trained: loss, steps, data (informational)
+    target_fingerprint: str = ""  # the target it was trained on (target_fingerprint); "": not recorded
+    target_name: str = ""  # that target's name, for messages
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -79,8 +90,11 @@ def eagle3_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(2, num_layers), num_layers // 2, max(0, num_layers - 3)}))
 
 
-def head_config(model: PreTrainedModel, feature_layers: tuple[int, ...], draft_vocab_size: int) -> HeadConfig:
-    """A head shaped as one of the target's decoder layers."""
+def head_config(
+    model: PreTrainedModel, feature_layers: tuple[int, ...], draft_vocab_size: int, target_name: str | None = None
+) -> HeadConfig:
+    """A head shaped as one of the target's decoder layers, for this target (its fingerprint;
+    target_name: what to call it in messages, by default its folder's name)."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 1e4)
@@ -99,7 +113,34 @@ def head_config(model: PreTrainedModel, feature_layers: tuple[int, ...], draft_v
         num_target_layers=layers,
         target_vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         draft_vocab_size=draft_vocab_size,
+        target_fingerprint=target_fingerprint(model),
+        target_name=target_name or Path(str(getattr(model.config, "name_or_path", "") or "")).name,
     )
+
+
+def target_fingerprint(model: PreTrainedModel) -> str:
+    """Which target this is, cheaply and exactly: its text config's shapes and the bytes of a few
+    input embedding and output head rows and of the final norm, rounded to bfloat16 first, so
+    that float32 and bfloat16 loads of one model (from its .gguf or a converted folder) agree.
+    Another model, or a fine-tune of the same shapes whose embeddings moved, differs. (A float16
+    load may not agree: rounding twice can land elsewhere.)"""
+    config = model.config.get_text_config()
+    embed, norm = target_parts(model)
+    output = model.get_output_embeddings().weight
+    shapes = [
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None),
+        config.intermediate_size,
+        list(embed.shape),
+        list(output.shape),
+    ]
+    rows = torch.linspace(0, embed.shape[0] - 1, FINGERPRINT_ROWS).long()
+    digest = hashlib.blake2b(json.dumps(shapes).encode(), digest_size=16)
+    for tensor in (embed[rows.to(embed.device)], output[rows.to(output.device)], norm):
+        digest.update(tensor.detach().to("cpu", torch.bfloat16).contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def target_parts(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,12 +261,15 @@ def new_head(model: PreTrainedModel, config: HeadConfig, vocabulary: torch.Tenso
         return DraftHead(config, embed, norm, rows, vocabulary)
 
 
-def save_head(head: DraftHead, folder: str | Path) -> None:
-    """config.json, head.safetensors (the trained weights) and vocabulary.json (target ids)."""
+def save_head(head: DraftHead, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+    """config.json, head.safetensors (the trained weights) and vocabulary.json (target ids).
+    dtype: the weights' dtype in the file (torch.bfloat16 halves it; load_head converts them
+    back to the float32 the head computes in); None: as they are."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / HEAD_CONFIG).write_text(head.config.to_json())
-    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, folder / HEAD_WEIGHTS)
+    weights = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in head.state_dict().items()}
+    save_file(weights, folder / HEAD_WEIGHTS)
     (folder / HEAD_VOCABULARY).write_text(json.dumps(head.vocabulary.tolist()))
 
 
@@ -239,12 +283,35 @@ def is_head_folder(path: object) -> bool:
         return False
 
 
+def shipped_head(model: PreTrainedModel | None, heads: str | Path | None = None) -> Path | None:
+    """The folder of the head trained for this target among those in heads (default: the
+    package's, SHIPPED_HEADS): the one whose config records this target's fingerprint; None
+    if there is none."""
+    heads = Path(SHIPPED_HEADS if heads is None else heads)
+    if model is None or not heads.is_dir():
+        return None
+    try:
+        fingerprint = target_fingerprint(model)
+    except InvalidArgumentError:  # no Llama-family target: no head drafts for it
+        return None
+    for folder in sorted(heads.iterdir()):
+        if is_head_folder(folder) and _config(folder).target_fingerprint == fingerprint:
+            return folder
+    return None
+
+
+def _config(folder: Path) -> HeadConfig:
+    return HeadConfig.from_json((folder / HEAD_CONFIG).read_text())
+
+
 def load_head(folder: str | Path, model: PreTrainedModel) -> DraftHead:
-    """A head saved by save_head, for this target (its embedding, norm and head rows)."""
+    """A head saved by save_head, for this target (its embedding, norm and head rows). A head
+    that records another target's fingerprint is refused; one that records none (saved before
+    heads recorded it) loads if its shapes fit."""
     folder = Path(folder)
     if not (folder / HEAD_CONFIG).is_file():
         raise InvalidArgumentError(f"{folder} holds no draft head ({HEAD_CONFIG} missing): train one", "draft")
-    config = HeadConfig.from_json((folder / HEAD_CONFIG).read_text())
+    config = _config(folder)
     embed, norm = target_parts(model)
     if tuple(embed.shape) != (config.target_vocab_size, config.hidden_size):
         raise InvalidArgumentError(
@@ -252,10 +319,40 @@ def load_head(folder: str | Path, model: PreTrainedModel) -> DraftHead:
             f"size {config.hidden_size}, not {tuple(embed.shape)}",
             "draft",
         )
+    if config.target_fingerprint and config.target_fingerprint != target_fingerprint(model):
+        trained_for = f"'{config.target_name}'" if config.target_name else "another target"
+        raise InvalidArgumentError(
+            f"the head in {folder} was trained for {trained_for} (fingerprint {config.target_fingerprint}), not for "
+            f"this target ({target_fingerprint(model)}): train one for it with specdecode train-draft",
+            "draft",
+        )
     vocabulary = torch.tensor(json.loads((folder / HEAD_VOCABULARY).read_text()), dtype=torch.long)
     head = DraftHead(config, embed, norm, model.get_output_embeddings().weight[vocabulary], vocabulary)
-    head.load_state_dict(load_file(folder / HEAD_WEIGHTS))
+    head.load_state_dict(load_file(folder / HEAD_WEIGHTS))  # copied into the head's float32 weights
     return head.eval()
+
+
+# a head's digest, computed once per state of its weights (it reads every weight)
+_head_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def head_digest(head: DraftHead) -> str:
+    """What a head's drafts depend on besides its target: its trained weights' bytes (what
+    head.safetensors holds, as the head computes with them), its vocabulary and its config
+    (how it was trained and the target's name left out). Read again after the weights change."""
+    state = sorted(head.state_dict().items())
+    versions = tuple(tensor._version for _, tensor in state)  # bumped by every in-place update
+    known = _head_digests.get(head)
+    if known is not None and known[0] == versions:
+        return known[1]
+    config = {k: v for k, v in asdict(head.config).items() if k not in ("training", "target_name")}
+    digest = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16)
+    for name, tensor in state:
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    digest.update(head.vocabulary.cpu().contiguous().numpy().tobytes())
+    _head_digests[head] = (versions, digest.hexdigest())
+    return digest.hexdigest()
 
 
 class _HeadCache:
@@ -306,6 +403,11 @@ class HeadDrafter:
 
     def fork(self) -> HeadDrafter:
         return HeadDrafter(self.head, self.drafts_trees, self.branching)
+
+    def cache_identity(self) -> list:
+        """What its drafts depend on besides the target's hidden states (the target the response
+        cache keys by already): the head (head_digest) and how it drafts."""
+        return [head_digest(self.head), self.drafts_trees, self.branching]
 
     def begin(self, prompt_ids: list[int]) -> None:
         c = self.head.config
