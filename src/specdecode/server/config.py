@@ -29,6 +29,7 @@ class ServerConfig:
     drafter: str = "auto"
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS  # k, the most tokens drafted per step
     adaptive: bool = True  # k chosen per step from measurements (core/adaptive.py); False: k every step
+    shipped_head: bool = True  # drafter auto without draft: the head shipped for the target, if any
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's context length
@@ -83,5 +84,5 @@ class ServerConfig:
             max_model_len=self.max_model_len,
             cache=self.cache,
             quantization=self.quantization,
-            options=DrafterOptions(adaptive=self.adaptive),
+            options=DrafterOptions(adaptive=self.adaptive, shipped_head=self.shipped_head),
         )

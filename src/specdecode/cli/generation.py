@@ -1,0 +1,185 @@
+"""`specdecode generate`: one prompt, its continuation and stats; with --compare, target-only
+decoding timed beside it."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from specdecode.cache.engine_caches import CacheOptions
+from specdecode.cli.console import loading
+from specdecode.cli.errors import user_errors
+from specdecode.cli.options import (
+    AdaptiveOption,
+    CacheMaxMbOption,
+    CacheSecretFileOption,
+    CacheUrlOption,
+    ChatOption,
+    DeviceOption,
+    DrafterOption,
+    DraftOption,
+    DraftStoreOption,
+    DtypeOption,
+    KOption,
+    MaxModelLenOption,
+    QuantizationOption,
+    ResponseCacheOption,
+    ShippedHeadOption,
+    TargetOption,
+    cache_options,
+)
+from specdecode.core.checks import DEFAULT_SPECULATIVE_TOKENS, check_prompt_text, check_request
+from specdecode.drafters.factory import DrafterOptions
+from specdecode.loading import DEFAULT_TARGET
+
+CACHE = CacheOptions()  # the caches' defaults
+COMPARE_ROUNDS = 3  # --compare: runs of each decoding, the median kept
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The text to continue (or the user message, with --chat).")],
+    target: TargetOption = DEFAULT_TARGET,
+    draft: DraftOption = None,
+    drafter: DrafterOption = "auto",
+    k: KOption = DEFAULT_SPECULATIVE_TOKENS,
+    adaptive: AdaptiveOption = True,
+    ngram: Annotated[tuple[int, int], typer.Option(help="Prompt lookup: shortest and longest n-gram.")] = (1, 3),
+    max_continuation: Annotated[Optional[int], typer.Option(help="Prompt lookup: most tokens copied per step.")] = None,
+    lookup_history: Annotated[bool, typer.Option(help="Prompt lookup also searches earlier requests.")] = False,
+    quantization: QuantizationOption = None,
+    compile: Annotated[
+        bool,
+        typer.Option(
+            help="Run the target compiled by torch.compile (Llama-family fast runner; each forward size "
+            "compiles on first use, which is slow)."
+        ),
+    ] = False,
+    draft_quantization: Annotated[
+        Optional[str],
+        typer.Option(help="self-quantized drafter only: bfloat16, int8, nf4 or fp4 \\[default: bfloat16]."),
+    ] = None,
+    min_confidence: Annotated[
+        float, typer.Option(help="Model drafters stop after a token they give less probability.")
+    ] = 0.0,
+    recycling_width: Annotated[
+        int, typer.Option(help="recycling drafter: the target's candidates kept per token (the table's width).")
+    ] = DrafterOptions().recycling_width,
+    shipped_head: ShippedHeadOption = DrafterOptions().shipped_head,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    max_model_len: MaxModelLenOption = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with this mass.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop at this string (repeatable).")] = None,
+    chat: ChatOption = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    trust_remote_code: Annotated[bool, typer.Option(help="Run model code from the Hub (off by default).")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    compare: Annotated[
+        bool, typer.Option(help="Also run target-only decoding and print the speedup (caches off: it times decoding).")
+    ] = False,
+    cache_url: CacheUrlOption = CACHE.url,
+    response_cache: ResponseCacheOption = CACHE.response_cache,
+    draft_store: DraftStoreOption = CACHE.draft_store,
+    cache_max_mb: CacheMaxMbOption = CACHE.max_mb,
+    cache_secret_file: CacheSecretFileOption = None,
+) -> None:
+    """Generate text with speculative decoding and print it with its stats."""
+    from specdecode.engine import SpeculativeEngine
+
+    with user_errors():
+        # what needs no model, before the load (from_pretrained checks k and max_model_len first too)
+        check_prompt_text(prompt)
+        check_request(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop
+        )
+        with loading(target, draft):
+            drafter_options = DrafterOptions(
+                adaptive,
+                *ngram,
+                max_continuation,
+                lookup_history,
+                draft_quantization,
+                min_confidence,
+                recycling_width=recycling_width,
+                shipped_head=shipped_head,
+            )
+            engine = SpeculativeEngine.from_pretrained(
+                target,
+                draft=draft,
+                drafter=drafter,
+                num_speculative_tokens=k,
+                device=device,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                options=drafter_options,
+                max_model_len=max_model_len,
+                # --compare decodes one prompt again and again: caches would time themselves
+                cache=cache_options(
+                    cache_url,
+                    response_cache and not compare,
+                    draft_store and not compare,
+                    cache_max_mb,
+                    cache_secret_file,
+                    require_backend=True,
+                ),
+                quantization=quantization,
+                compile=compile,
+            )
+        use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+        options = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, chat=use_chat
+        )
+        if not compare:
+            result = engine.generate(prompt, seed=seed, **options)[0]
+        else:
+            baseline, result = _timed_runs(engine, prompt, seed, options)
+
+    output = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}
+    output["stats"] = result.stats.to_dict()
+    lines = [result.text, f"[{result.stats.summary()}]"]
+    if compare:
+        output["compare"] = _comparison(result, baseline, greedy=temperature == 0)
+        lines.append(_comparison_line(output["compare"]))
+    if json_output:
+        print(json.dumps(output))
+    else:
+        print("\n".join(lines))
+
+
+def _timed_runs(engine, prompt: str, seed: int | None, options: dict) -> tuple:
+    """--compare: the median target-only and speculative runs of the prompt."""
+    engine.generate(prompt, **(options | dict(max_new_tokens=2)))  # warm-up, so neither run pays it
+    # alternate the two, so a noisy neighbour on the machine slows both alike; keep the medians
+    runs = [
+        engine.generate(prompt, seed=seed, speculative=speculative, **options)[0]
+        for _ in range(COMPARE_ROUNDS)
+        for speculative in (False, True)
+    ]
+    return _median_run(runs[0::2]), _median_run(runs[1::2])
+
+
+def _median_run(results: list):
+    return sorted(results, key=lambda r: r.stats.tokens_per_second)[len(results) // 2]
+
+
+def _comparison(result, baseline, greedy: bool) -> dict:
+    return {
+        "target_only_tokens_per_second": baseline.stats.tokens_per_second,
+        "speculative_tokens_per_second": result.stats.tokens_per_second,
+        "speedup": result.stats.tokens_per_second / baseline.stats.tokens_per_second,
+        "identical_output": result.token_ids == baseline.token_ids if greedy else None,
+    }
+
+
+def _comparison_line(comparison: dict) -> str:
+    identical = {True: "outputs identical", False: "OUTPUTS DIFFER", None: "sampled, outputs not compared"}
+    return (
+        f"[target-only {comparison['target_only_tokens_per_second']:.1f} tok/s | "
+        f"speculative {comparison['speculative_tokens_per_second']:.1f} tok/s | "
+        f"speedup {comparison['speedup']:.2f}x | {identical[comparison['identical_output']]}]"
+    )
