@@ -69,10 +69,11 @@ def train_draft(
         timings["data_s"] = time.perf_counter() - start
         vocabulary = data.draft_vocabulary(chosen, vocab_size, engine.eos_token_ids)
         layers = _layers(model, features)
-        head = new_head(model, head_config(model, layers, len(vocabulary)), vocabulary, config.seed)
+        name = target if isinstance(target, str) else None  # the head's config names its target in messages
+        head = new_head(model, head_config(model, layers, len(vocabulary), name), vocabulary, config.seed)
         start = time.perf_counter()
         task = bars.add_task("target features", total=len(chosen))
-        examples = collect(model, chosen, layers, max_length, lambda i: bars.update(task, completed=i))
+        examples = collect(engine.target_runner, chosen, layers, max_length, lambda i: bars.update(task, completed=i))
         timings["features_s"] = time.perf_counter() - start
         start = time.perf_counter()
         task = bars.add_task(f"training ({config.loss})", total=None)

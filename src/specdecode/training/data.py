@@ -22,6 +22,9 @@ import torch
 from specdecode.errors import InvalidArgumentError
 
 MARKER = "\x00INSTRUCTION\x00"  # stands for the user's text while the template is rendered
+# sequences decoded together: on 2 cores a forward of 32 rows costs a few of one row's, so data
+# comes several times faster than at 8 (benchmarks/results/draft-head.md)
+BATCH_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -50,13 +53,14 @@ def magpie_instructions(
     held_out: list[str],
     max_tokens: int = 64,
     on_batch: Callable[[int], None] | None = None,
+    batch_size: int = BATCH_SIZE,
 ) -> list[str]:
     """Up to count distinct instructions the target writes after its user prefix (temperature 1,
     top-p 1, ending at a newline, as Magpie's generator), none of them a held-out prompt."""
     prefix = engine.tokenizer(user_prefix(engine.tokenizer), add_special_tokens=False).input_ids
     seen = {normalized(p) for p in held_out}
     found: list[str] = []
-    batch, attempt = 32, 0
+    batch, attempt = 2 * batch_size, 0
     while len(found) < count and attempt < 4 * count:
         results = engine.generate(
             [prefix] * batch,
@@ -64,7 +68,7 @@ def magpie_instructions(
             temperature=1.0,
             seed=seed + attempt,
             stop="\n",
-            max_batch_size=8,
+            max_batch_size=batch_size,
         )
         attempt += batch
         for result in results:
@@ -110,13 +114,14 @@ def answers(
     temperature: float = 0.7,
     chat: bool = True,
     on_batch: Callable[[int], None] | None = None,
+    batch_size: int = BATCH_SIZE,
 ) -> list[Sample]:
     """The target's answer to each prompt: the first (1 - sampled_share) greedy, the rest sampled
     at temperature (seeded), in batches through the engine's batched decoding."""
     sampled_from = round(len(prompts) * (1 - sampled_share))
     samples: list[Sample] = []
-    for start in range(0, len(prompts), 16):
-        chunk = prompts[start : start + 16]
+    for start in range(0, len(prompts), 2 * batch_size):
+        chunk = prompts[start : start + 2 * batch_size]
         greedy = [p for i, p in enumerate(chunk, start) if i < sampled_from]
         drawn = [p for i, p in enumerate(chunk, start) if i >= sampled_from]
         for group, sampled in ((greedy, False), (drawn, True)):
@@ -128,11 +133,11 @@ def answers(
                 temperature=temperature if sampled else 0.0,
                 seed=seed + start if sampled else None,
                 chat=chat,
-                max_batch_size=8,
+                max_batch_size=batch_size,
             )
             samples += [Sample(r.prompt_token_ids, r.token_ids, sampled) for r in results if r.token_ids]
         if on_batch is not None:
-            on_batch(min(start + 16, len(prompts)))
+            on_batch(min(start + 2 * batch_size, len(prompts)))
     return samples
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.runners.base import ModelRunner
 from specdecode.runners.hf import HFModelRunner
 from specdecode.training.data import Sample
 
@@ -25,15 +26,27 @@ class Example:
 
 
 def collect(
-    model: PreTrainedModel,
+    target: PreTrainedModel | ModelRunner,
     samples: list[Sample],
     feature_layers: tuple[int, ...],
     max_length: int,
     on_sample: Callable[[int], None] | None = None,
 ) -> list[Example]:
-    """An Example per sample, each cut to max_length tokens, from one forward of the target each."""
-    runner = HFModelRunner(model)
-    last = model.config.get_text_config().num_hidden_layers
+    """An Example per sample, each cut to max_length tokens, from one forward of the target each.
+    target: a model (run by transformers' runner) or a runner that keeps hidden states (the
+    engine's: the fast runner's features are the ones the head reads when it drafts, and its
+    half-precision products do not reorder their weights on every call as F.linear's do)."""
+    runner = HFModelRunner(target) if isinstance(target, PreTrainedModel) else target
+    kept_before = runner.hidden_layers
+    try:
+        return _collect(runner, samples, feature_layers, max_length, on_sample)
+    finally:
+        runner.reset()
+        runner.hidden_layers = kept_before
+
+
+def _collect(runner, samples, feature_layers, max_length, on_sample) -> list[Example]:
+    last = runner.model.config.get_text_config().num_hidden_layers
     runner.hidden_layers = tuple(sorted(set(feature_layers) | {last}))
     columns = [runner.hidden_layers.index(i) for i in feature_layers]
     examples = []
@@ -48,5 +61,4 @@ def collect(
             )
         if on_sample is not None:
             on_sample(i + 1)
-    runner.reset()
     return examples
