@@ -276,6 +276,23 @@ def test_decoding_after_keep_goes_on_as_if_the_path_was_decoded_alone(dtype):
 
 
 @needs_kernel
+def test_keep_after_the_cache_grew_during_the_tree_forward():
+    """A tree forward that outgrows the cache reallocates it under inference mode; keep must
+    still move the path's rows (a prompt longer than the first capacity, as long prompts are)."""
+    runner = llama_runner(torch.bfloat16)
+    prompt, tokens, parents = tree_case(3, *TREES[2])
+    runner.cache = runner.new_cache(capacity=len(prompt) + 1)  # the tree's nodes do not fit
+    leaf = max(range(len(tokens)), key=lambda i: (len(path_to(parents, i)), i))
+    path = path_to(parents, leaf)
+    tree_logits(runner, prompt, tokens, parents)
+    assert runner.cache.capacity >= len(prompt) + len(tokens)
+    runner.keep(len(prompt), path)
+    after_keep = runner.forward(torch.tensor([7]), 1)
+    alone = decoded_alone(runner, prompt, [tokens[i] for i in path] + [7])[-1:]
+    assert torch.equal(after_keep, alone)
+
+
+@needs_kernel
 def test_keep_refuses_what_is_not_a_path_of_the_last_tree():
     runner = llama_runner(torch.float32)
     prompt = torch.arange(10)

@@ -90,8 +90,11 @@ class StaticKVCache:
         if written is None or written[0] != start or written[1] is None or not _is_path(written[1], offsets):
             raise ValueError(f"keep({start}, {offsets}): not a path of the last tree forward after {start} positions")
         index = torch.tensor(offsets, device=self.device) + start
-        for rows in self.keys + self.values:
-            rows[:, start : start + len(offsets)] = rows[:, index]  # the gather copies before the write
+        # a cache that grew during a forward (under inference mode) holds inference tensors, which
+        # only inference mode may write in place; the cache's other tensors accept it as well
+        with torch.inference_mode():
+            for rows in self.keys + self.values:
+                rows[:, start : start + len(offsets)] = rows[:, index]  # the gather copies before the write
         self.length = start + len(offsets)
         self._written = None
 
