@@ -22,8 +22,8 @@ import torch
 from specdecode.errors import InvalidArgumentError
 
 MARKER = "\x00INSTRUCTION\x00"  # stands for the user's text while the template is rendered
-# sequences decoded together: on 2 cores a forward of 32 rows costs a few of one row's, so data
-# comes several times faster than at 8 (benchmarks/results/draft-head.md)
+# sequences decoded together: the fast runner's products cost little more for many rows than
+# for one (docs/speed.md), so a wide batch makes the data faster (benchmarks/results/draft-head.md)
 BATCH_SIZE = 32
 
 

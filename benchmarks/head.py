@@ -1,0 +1,112 @@
+"""A draft head on Spec-Bench prompts, in one run: target-only against today's `auto` without a
+head, `auto` with the head, and the head alone.
+
+The head never saw these prompts: it trained on instructions the target wrote itself (Magpie)
+and the target's answers to them (specdecode train-draft). Every system runs every prompt,
+interleaved per prompt (the machine is shared and noisy), best of `--repeats` per prompt; every
+output is checked against target-only decoding of the same engine (same precision). Systems:
+- target-only;
+- auto, no head: the default drafter with `--no-shipped-head` (recycling first on the fast runner);
+- auto + head: the default drafter with the head (prompt lookup, draft store, head, recycling);
+- head: the head alone (trees under greedy decoding on the fast runner), adaptive k.
+
+    .venv/bin/python benchmarks/head.py --head DIR [--prompts ../shared/specbench/question.jsonl]
+        [--prompts-per-category 2] [--max-new-tokens 64] [--repeats 1] [-k 8] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from specdecode import CacheOptions, SpeculativeEngine
+from specdecode.bench.environment import cpu_name
+from specdecode.bench.prompts import load_prompts, select_prompts
+from specdecode.bench.scripts import script_parser, write_table
+from specdecode.drafters.factory import DrafterOptions, make_drafter
+
+NO_CACHE = CacheOptions(response_cache=False, draft_store=False)
+
+
+def systems(base: SpeculativeEngine, head: str, k: int) -> dict[str, SpeculativeEngine]:
+    def drafter(name: str, draft: str | None, shipped_head: bool = True):
+        options = DrafterOptions(shipped_head=shipped_head)
+        return make_drafter(name, draft, base.target_runner, base.tokenizer, None, "auto", options)
+
+    return {
+        "target-only": base.with_drafter(None, 0),
+        "auto, no head": base.with_drafter(drafter("auto", None, shipped_head=False), k, adaptive=True),
+        "auto + head": base.with_drafter(drafter("auto", head), k, adaptive=True),
+        "head": base.with_drafter(drafter("head", head), k, adaptive=True),
+    }
+
+
+def run(args) -> str:
+    torch.manual_seed(0)
+    base = SpeculativeEngine.from_pretrained(device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none")
+    engines = systems(base, args.head, args.k)
+    prompts = select_prompts(load_prompts(args.prompts), per_category=args.prompts_per_category)
+    for engine in engines.values():  # warm the shapes each system runs
+        engine.generate(["Say hello."], max_new_tokens=16, chat=True)
+    rows: dict[tuple[str, str], list] = {}
+    for prompt in prompts:
+        ids = base.encode(prompt.text, chat=True)
+        best: dict[str, object] = {}
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                result = engine.generate([ids], max_new_tokens=args.max_new_tokens)[0]
+                if name not in best or result.stats.tokens_per_second > best[name].stats.tokens_per_second:
+                    best[name] = result
+        reference = best["target-only"].token_ids
+        for name, result in best.items():
+            rows.setdefault((prompt.category, name), []).append(
+                (result.stats.tokens_per_second, result.stats.mean_accepted_length, result.token_ids == reference)
+            )
+        print(prompt.category, {n: round(r.stats.tokens_per_second, 1) for n, r in best.items()}, flush=True)
+    return report(rows, base, args)
+
+
+def report(rows: dict, base: SpeculativeEngine, args) -> str:
+    names = list(dict.fromkeys(name for _, name in rows))
+    categories = list(dict.fromkeys(category for category, _ in rows))
+    lines = [
+        f"Default model, {base.precision}, {torch.get_num_threads()} threads, {cpu_name()}; greedy, "
+        f"{args.max_new_tokens} new tokens, chat template, best of {args.repeats} per prompt, systems interleaved "
+        f"per prompt, caches off; k (tree nodes) at most {args.k}; head {args.head}.",
+        "",
+        "Each cell: speed against target-only (mean of the prompts' tokens per second, ratio), then tokens per "
+        "target forward.",
+        "",
+        "| category (prompts) | " + " | ".join(names) + " | outputs identical |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    for category in categories + ["all"]:
+        chosen = categories if category == "all" else [category]
+        cells = []
+        baseline = statistics.mean(r[0] for c in chosen for r in rows[(c, "target-only")])
+        for name in names:
+            results = [r for c in chosen for r in rows[(c, name)]]
+            speed = statistics.mean(r[0] for r in results)
+            cells.append(f"{speed / baseline:.2f}x, {statistics.mean(r[1] for r in results):.2f}")
+        same = sum(r[2] for c in chosen for name in names for r in rows[(c, name)])
+        total = sum(len(rows[(c, name)]) for c in chosen for name in names)
+        count = (
+            len(rows[(chosen[0], "target-only")])
+            if category != "all"
+            else sum(len(rows[(c, "target-only")]) for c in categories)
+        )
+        lines.append(f"| {category} ({count}) | " + " | ".join(cells) + f" | {same}/{total} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = script_parser(__doc__, max_new_tokens=64, k=8, repeats=1, prompts_per_category=2, dtype="auto")
+    parser.add_argument("--head", required=True, help="the head's folder (specdecode train-draft --output)")
+    parser.add_argument("--prompts", default=None, help="JSONL prompts [default: the shipped Spec-Bench subset]")
+    args = parser.parse_args()
+    write_table(run(args), args.out)
+
+
+if __name__ == "__main__":
+    main()
