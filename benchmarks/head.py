@@ -91,11 +91,7 @@ def report(rows: dict, base: SpeculativeEngine, args) -> str:
             cells.append(f"{speed / baseline:.2f}x, {statistics.mean(r[1] for r in results):.2f}")
         same = sum(r[2] for c in chosen for name in names for r in rows[(c, name)])
         total = sum(len(rows[(c, name)]) for c in chosen for name in names)
-        count = (
-            len(rows[(chosen[0], "target-only")])
-            if category != "all"
-            else sum(len(rows[(c, "target-only")]) for c in categories)
-        )
+        count = sum(len(rows[(c, "target-only")]) for c in chosen)
         lines.append(f"| {category} ({count}) | " + " | ".join(cells) + f" | {same}/{total} |")
     return "\n".join(lines) + "\n"
 

@@ -264,18 +264,14 @@ def test_longrope_is_left_to_transformers():
     head_dim = 8
 
     def llama(rope_parameters: dict) -> LlamaForCausalLM:
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=24,
-            hidden_size=32,
-            intermediate_size=64,
+        return tiny_causal_lm(
+            LlamaForCausalLM,
+            LlamaConfig,
+            0,
             num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             max_position_embeddings=64,
             rope_parameters={"rope_theta": 10000.0, **rope_parameters},
         )
-        return LlamaForCausalLM(config).eval()
 
     longrope = llama(
         {
