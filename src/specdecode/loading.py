@@ -183,12 +183,12 @@ def quantization_of(model: torch.nn.Module) -> str | None:
 def precision_of(model: torch.nn.Module, runner=None) -> str:
     """The model's precision in words: "float32", "nf4 (bitsandbytes, bfloat16 compute), float32
     elsewhere", or for a runner that quantizes its products itself (w8a8), "w8a8 (int8 weights
-    and activations, oneDNN), bfloat16 elsewhere"."""
+    and activations), bfloat16 elsewhere"."""
     # transformers' dtype: its first floating-point weight's (bitsandbytes' packed weights are integers)
     dtype = str(getattr(model, "dtype", None) or next(model.parameters()).dtype).removeprefix("torch.")
     own = getattr(runner, "quantization", None)
     if own == "w8a8":
-        return f"w8a8 (int8 weights and activations, oneDNN), {dtype} elsewhere"
+        return f"w8a8 (int8 weights and activations), {dtype} elsewhere"
     if own is not None:
         return f"{own} (fast runner), {dtype} elsewhere"
     quantization = quantization_of(model)

@@ -469,3 +469,53 @@ def test_a_script_prints_its_table_and_writes_it_below_its_command_and_machine(t
     assert written.startswith("    .venv/bin/python benchmarks/demo.py --max-new-tokens 5\n\n")
     assert "torch threads" in written and written.endswith("| a |\n|---|\n")
     assert capsys.readouterr().out == "| a |\n|---|\n"
+
+
+def test_the_default_drafter_and_recycling_on_a_w8a8_target_are_held_to_its_own_target_only(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    config = BenchConfig.create(
+        target=tiny_model_dir,
+        drafters=["auto,recycling"],
+        k_values=[4],
+        prompts=prompt_file,
+        max_new_tokens=12,
+        runs=2,
+        quantization="w8a8",
+        output_dir=str(tmp_path),
+    )
+    assert "--quantization w8a8" in config.to_command()
+    result = run_benchmark(config, Console(file=io.StringIO()))
+    names = [s["name"] for s in result.systems]
+    # no transformers twin for auto and recycling; the engine's systems name their quantization
+    assert names == [
+        "hf target-only",
+        "specdecode w8a8 target-only",
+        "specdecode w8a8 auto k<=4",
+        "specdecode w8a8 recycling k=4",
+    ]
+    assert "w8a8" in result.environment["engine_precision"]
+    measured = {(m.system, m.prompt_id, m.run): m for m in result.measurements}
+    for m in result.measurements:
+        if m.group == "d":  # speculation exact relative to the same w8a8 target, prompt by prompt
+            assert m.token_ids == measured[("specdecode w8a8 target-only", m.prompt_id, m.run)].token_ids
+    recycling = [m for m in result.measurements if m.system == "specdecode w8a8 recycling k=4"]
+    assert sum(m.stats["accepted_tokens"] for m in recycling) > 0  # drafts were verified and kept
+    # a new table per generation: the second run drafts as the first did, not from its answers
+    for m in recycling:
+        again = measured[(m.system, m.prompt_id, 1 - m.run)]
+        assert m.stats["drafted_per_position"] == again.stats["drafted_per_position"]
+        assert m.stats["accepted_per_position"] == again.stats["accepted_per_position"]
+
+
+def test_a_recycling_table_kept_across_generations_drafts_from_them(tiny_model_dir):
+    """The negative control of the test above: one drafter for both runs of a prompt drafts
+    otherwise the second time, so equal counts there show the table was new."""
+    from specdecode import SpeculativeEngine
+    from specdecode.bench.systems import named_drafter
+
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir, drafter="none", quantization="w8a8")
+    kept = engine.with_drafter(named_drafter("recycling", engine)(), 4)
+    prompt = engine.encode(PROMPTS[0]["turns"][0])
+    first, second = (kept.generate([prompt], max_new_tokens=12)[0].stats for _ in range(2))
+    assert first.drafted_per_position != second.drafted_per_position

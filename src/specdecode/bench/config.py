@@ -11,12 +11,15 @@ import shlex
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from specdecode import precision
 from specdecode.bench.llamacpp import LLAMACPP_SYSTEMS
 from specdecode.core.sampling import SamplingParams
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
 
-BENCH_DRAFTERS = ("prompt-lookup", "model")
+# prompt-lookup (a chain, as transformers' own) and model have a transformers twin (b); auto (the
+# engine's default, adaptive k) and recycling (trees) run on this engine only
+BENCH_DRAFTERS = ("prompt-lookup", "model", "auto", "recycling")
 
 # One prompt from each Spec-Bench task (writing stands for the MT-bench ones), few tokens,
 # two k values (six systems): a run of minutes on a small CPU (docs/benchmarks.md), and every plot has data.
@@ -46,6 +49,7 @@ class BenchConfig:
     chat: bool | None = None  # None = use the chat template when the model has one
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None  # the engine's target, (c) and (d): w8a8, or bitsandbytes' (every system)
     output_dir: str = "bench-results"
     quick: bool = False
 
@@ -119,6 +123,7 @@ class BenchConfig:
                 f"--prompts-per-category must be >= 0 (0 = all), got {self.prompts_per_category}"
             )
         SamplingParams(self.temperature)  # raises for a negative temperature
+        precision.quantization_named(self.quantization, precision.TARGET)  # raises for an unknown name
         if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
             raise InvalidArgumentError(f"--output-dir '{self.output_dir}' is a file; give a folder")
 
@@ -139,6 +144,7 @@ class BenchConfig:
             ("--seed", str(self.seed)),
             ("--device", self.device),
             ("--dtype", self.dtype),
+            *([("--quantization", self.quantization)] if self.quantization else []),
             ("--output-dir", self.output_dir),
         ]
         chat = [] if self.chat is None else ["--chat" if self.chat else "--no-chat"]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from specdecode.cpu import cpu_flags
+
 
 def describe_environment(device: torch.device, dtype: torch.dtype, target_runner: str) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -18,6 +20,7 @@ def describe_environment(device: torch.device, dtype: torch.dtype, target_runner
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": cpu_name(),
+        "cpu_features": cpu_features(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
@@ -32,11 +35,17 @@ def describe_environment(device: torch.device, dtype: torch.dtype, target_runner
 
 def summary_line(environment: dict) -> str:
     versions = environment["versions"]
-    hardware = environment["gpu"] or f"{environment['cpu']} ({environment['cpu_count']} cores)"
+    features = environment.get("cpu_features")
+    hardware = (
+        environment["gpu"]
+        or f"{environment['cpu']} ({environment['cpu_count']} cores{', ' + features if features else ''})"
+    )
+    precision = environment.get("engine_precision")
     load = [environment.get(f"load_average_1m_{when}") for when in ("before", "after")]
     return (
         f"{hardware}, {environment['torch_threads']} torch threads, {environment['device']} "
-        f"{environment['dtype']}, engine runner {environment['target_runner']}; "
+        f"{environment['dtype']}, engine runner {environment['target_runner']}"
+        f"{' (' + precision + ')' if precision else ''}; "
         f"torch {versions['torch']}, transformers {versions['transformers']}; "
         f"load average (1 min) {_fmt_load(load[0])} before timing, {_fmt_load(load[1])} after"
     )
@@ -70,6 +79,14 @@ def cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def cpu_features() -> str:
+    """The extensions that decide this engine's kernels (and so its speed), as a reader compares
+    machines: the CPU's model name alone often leaves them out ("AMD EPYC")."""
+    flags = cpu_flags()
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+    return " ".join(flag for flag in wanted if flag in flags)
 
 
 def _version(package: str) -> str | None:

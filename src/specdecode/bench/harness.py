@@ -65,7 +65,7 @@ def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchR
     with console.status(f"Loading {', '.join((config.target, *config.drafts))}"):
         engine, draft_models = load_models(config)
     prompts, prompt_ids, skipped = encode_prompts(engine, prompts, config)
-    specs = plan_systems(config.active_drafters, config.drafts, config.k_values, llamacpp)
+    specs = plan_systems(config.active_drafters, config.drafts, config.k_values, llamacpp, config.quantization)
     with console.status("Starting llama.cpp" if llamacpp else "Preparing the systems"):
         systems = build_systems(specs, engine, draft_models, gguf, llamacpp_context(prompt_ids, config))
     try:
@@ -93,6 +93,7 @@ def measure_systems(
 
     model = engine.target_runner.model
     environment = describe_environment(model.device, model.dtype, type(engine.target_runner).__name__)
+    environment["engine_precision"] = engine.precision  # the target as (c) and (d) run it
     for system in systems:
         if isinstance(system, LlamaCppSystem):
             environment["versions"]["llama-cpp-python"] = system.options["version"]
@@ -146,6 +147,7 @@ def load_models(config: BenchConfig) -> tuple[SpeculativeEngine, dict[str, PreTr
         device=config.device,
         dtype=config.dtype,
         cache=no_cache,
+        quantization=config.quantization,
         keep_model_weights=True,  # transformers' generate runs it as the baseline
     )
     drafts = {name: load_draft(name, engine, config.device, config.dtype) for name in config.drafts}

@@ -3,7 +3,8 @@
 (a) transformers' `generate`, target only;
 (b) transformers' assisted generation: prompt lookup, or an assistant (draft) model;
 (c) this engine, target only (the same loop with k = 0);
-(d) this engine with a drafter and k;
+(d) this engine with a drafter and k: prompt lookup or a draft model (as (b) runs them), `auto`
+    (the engine's default, adaptive k <= k) or `recycling` (trees of k nodes);
 and where asked (`--system`, llamacpp.py), on the .gguf file the target was loaded from:
 (e) llama.cpp's plain decoding;
 (f) llama.cpp with llama-cpp-python's prompt-lookup drafter.
@@ -14,6 +15,7 @@ comparison covers prefill, decoding and all per-step overhead alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,7 +24,8 @@ from transformers import PreTrainedModel
 
 from specdecode.bench.llamacpp import LOOKUP, LOOKUP_TOKENS, PLAIN, LlamaCppCounts, LlamaCppWorker
 from specdecode.core.stats import GenerationStats
-from specdecode.drafters import ModelDrafter, PromptLookupDrafter
+from specdecode.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specdecode.drafters.factory import DrafterOptions, make_drafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary, load_model
@@ -30,6 +33,11 @@ from specdecode.runners import runner_for
 from specdecode.runners.profiling import timed
 
 HF, ENGINE, LLAMACPP = "hf", "specdecode", "llama.cpp"
+# drafters whose state outlives a request (recycling's table, which auto holds): each timed
+# generation gets a new one, so a later run cannot draft from what an earlier run of the same
+# prompt taught it
+STATEFUL_DRAFTERS = ("auto", "recycling")
+HF_TWINS = ("prompt-lookup", "model")  # drafters transformers' assisted generation runs as well
 
 
 @dataclass(frozen=True)
@@ -38,10 +46,16 @@ class SystemSpec:
     drafter: str = "none"  # "none", "prompt-lookup" or "model"
     k: int = 0  # tokens drafted per step; 0 for target-only
     draft: str | None = None  # the draft model, for drafter "model"
+    quantization: str | None = None  # this engine's target, where quantized (BenchConfig.quantization)
 
     @property
     def speculative(self) -> bool:
         return self.drafter != "none"
+
+    @property
+    def adaptive(self) -> bool:
+        """auto chooses k <= self.k each step, as it does by default; the others draft k."""
+        return self.drafter == "auto"
 
     @property
     def group(self) -> str:
@@ -58,27 +72,33 @@ class SystemSpec:
     @property
     def series(self) -> str:
         """The system without its k: one line in a tokens/s-versus-k plot."""
+        framework = f"{self.framework} {self.quantization}" if self.quantization else self.framework
         if not self.speculative:
-            return f"{self.framework} target-only"
+            return f"{framework} target-only"
         drafter = f"draft {Path(self.draft).name}" if self.drafter == "model" else self.drafter
-        return f"{self.framework} {drafter}"
+        return f"{framework} {drafter}"
 
     @property
     def name(self) -> str:
-        return self.series + (f" k={self.k}" if self.speculative else "")
+        return self.series + (f" k{'<=' if self.adaptive else '='}{self.k}" if self.speculative else "")
 
     def on(self, framework: str) -> SystemSpec:
         """The same drafter and k run by the other framework: (b) for (d), (a) for (c)."""
-        return replace(self, framework=framework)
+        return replace(self, framework=framework, quantization=None)
 
 
 def plan_systems(
-    drafters: tuple[str, ...], drafts: tuple[str, ...], k_values: tuple[int, ...], llamacpp: tuple[str, ...] = ()
+    drafters: tuple[str, ...],
+    drafts: tuple[str, ...],
+    k_values: tuple[int, ...],
+    llamacpp: tuple[str, ...] = (),
+    quantization: str | None = None,
 ) -> list[SystemSpec]:
-    """(a), then (b) for every drafter and k, (c), then (d) for every drafter and k, then the
-    llama.cpp systems named in llamacpp: (e) and (f), whose k is the drafter's own setting."""
+    """(a), then (b) for every drafter with a transformers twin and every k, (c), then (d) for
+    every drafter and k, then the llama.cpp systems named in llamacpp: (e) and (f), whose k is the
+    drafter's own setting. quantization: the engine's target's, for (c) and (d)."""
     speculative = [
-        SystemSpec(ENGINE, drafter, k, draft)
+        SystemSpec(ENGINE, drafter, k, draft, quantization)
         for drafter in drafters
         for draft in (drafts if drafter == "model" else (None,))
         for k in k_values
@@ -86,8 +106,8 @@ def plan_systems(
     llama = {PLAIN: SystemSpec(LLAMACPP), LOOKUP: SystemSpec(LLAMACPP, "prompt-lookup", LOOKUP_TOKENS)}
     return [
         SystemSpec(HF),
-        *(s.on(HF) for s in speculative),
-        SystemSpec(ENGINE),
+        *(s.on(HF) for s in speculative if s.drafter in HF_TWINS),
+        SystemSpec(ENGINE, quantization=quantization),
         *speculative,
         *(llama[name] for name in (PLAIN, LOOKUP) if name in llamacpp),
     ]
@@ -140,13 +160,18 @@ class HFSystem:
 
 
 class EngineSystem:
-    """This engine, target-only or with one drafter and k."""
+    """This engine, target-only or with one drafter and k; new_drafter, for STATEFUL_DRAFTERS:
+    a fresh drafter for every generation, made before its timer starts."""
 
-    def __init__(self, spec: SystemSpec, engine: SpeculativeEngine):
+    def __init__(self, spec: SystemSpec, engine: SpeculativeEngine, new_drafter: Callable[[], Drafter] | None = None):
         self.spec = spec
         self.engine = engine
+        self.new_drafter = new_drafter
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Output:
+        if self.new_drafter is not None:
+            self.engine = self.engine.with_drafter(self.new_drafter(), self.spec.k, adaptive=self.spec.adaptive)
+
         def run():
             return self.engine.generate(
                 [prompt_ids],
@@ -204,18 +229,34 @@ def build_systems(
     systems = []
     try:
         for spec in specs:
-            drafter = lookup if spec.drafter == "prompt-lookup" else model_drafters.get(spec.draft)
             if spec.framework == HF:
                 systems.append(HFSystem(spec, engine, draft_models.get(spec.draft), lookup.max_ngram))
             elif spec.framework == LLAMACPP:
                 systems.append(LlamaCppSystem(spec, engine, gguf, n_ctx))
+            elif spec.drafter in STATEFUL_DRAFTERS:
+                new = named_drafter(spec.drafter, engine)
+                systems.append(EngineSystem(spec, engine.with_drafter(new(), spec.k, adaptive=spec.adaptive), new))
             else:
                 # fixed k, so that k is what is measured
+                drafter = lookup if spec.drafter == "prompt-lookup" else model_drafters.get(spec.draft)
                 systems.append(EngineSystem(spec, engine.with_drafter(drafter, spec.k)))
     except BaseException:
         close_systems(systems)
         raise
     return systems
+
+
+def named_drafter(name: str, engine: SpeculativeEngine) -> Callable[[], Drafter]:
+    """Makes the drafter `name` as from_pretrained would (auto: with the head shipped for the
+    target, if there is one), without the draft store: the benchmark times decoding, not what
+    earlier requests left behind."""
+
+    def new() -> Drafter:
+        drafter = make_drafter(name, None, engine.target_runner, engine.tokenizer, None, "auto", DrafterOptions())
+        assert drafter is not None  # only "none" makes none
+        return drafter
+
+    return new
 
 
 def close_systems(systems: list[System]) -> None:

@@ -13,7 +13,7 @@ from specdecode import precision
 from specdecode.cache.engine_caches import CacheOptions
 from specdecode.cli.console import loading, stderr
 from specdecode.cli.errors import user_errors
-from specdecode.cli.options import ChatOption, DeviceOption, DtypeOption
+from specdecode.cli.options import ChatOption, DeviceOption, DtypeOption, QuantizationOption
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
 
@@ -40,7 +40,9 @@ def bench(
     drafter: Annotated[
         Optional[list[str]],
         typer.Option(
-            help="prompt-lookup and/or model (repeatable) \\[default: prompt-lookup, and model with --draft]."
+            help="prompt-lookup, model (both beside transformers' own), auto (the default drafter, adaptive k) "
+            "and/or recycling (trees of k nodes); repeatable or comma-separated "
+            "\\[default: prompt-lookup, and model with --draft]."
         ),
     ] = None,
     system: Annotated[
@@ -79,13 +81,22 @@ def bench(
     chat: ChatOption = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda \\[default: auto].")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 \\[default: auto].")] = None,
+    quantization: QuantizationOption = None,
 ) -> None:
     """Benchmark against transformers on Spec-Bench prompts; write results.json, report.md and plots."""
     from specdecode.bench import BenchConfig, overall_table, run_benchmark, write_outputs
 
     if workload == "repeat":
         options = dict(
-            draft=draft, drafter=drafter, system=system, k=k, prompts=prompts, category=category, runs=runs, quick=quick
+            draft=draft,
+            drafter=drafter,
+            system=system,
+            k=k,
+            prompts=prompts,
+            category=category,
+            runs=runs,
+            quick=quick,
+            quantization=quantization,
         )
         _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, seed, output_dir, options)
         return
@@ -109,6 +120,7 @@ def bench(
             chat=chat,
             device=device,
             dtype=dtype,
+            quantization=quantization,
             output_dir=output_dir,
         )
         result = run_benchmark(config, stderr)
