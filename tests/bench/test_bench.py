@@ -495,6 +495,8 @@ def test_the_default_drafter_and_recycling_on_a_w8a8_target_are_held_to_its_own_
         "specdecode w8a8 recycling k=4",
     ]
     assert "w8a8" in result.environment["engine_precision"]
+    for row in (r for r in result.rows if r.group == "d"):
+        assert row.speedup_vs_c is not None and row.speedup_vs_b is None  # over the w8a8 (c); no twin
     measured = {(m.system, m.prompt_id, m.run): m for m in result.measurements}
     for m in result.measurements:
         if m.group == "d":  # speculation exact relative to the same w8a8 target, prompt by prompt

@@ -126,6 +126,6 @@ def _add_speedups(rows: list[Row], specs: list[SystemSpec]) -> None:
         row.speedup_vs_e = ratio(row, SystemSpec(LLAMACPP))
         if spec.group == "d":
             row.speedup_vs_b = ratio(row, spec.on(HF))
-            row.speedup_vs_c = ratio(row, SystemSpec(ENGINE))
+            row.speedup_vs_c = ratio(row, SystemSpec(ENGINE, quantization=spec.quantization))
             if row.predicted_speedup and row.speedup_vs_c is not None:
                 row.measured_over_predicted = row.speedup_vs_c / row.predicted_speedup
