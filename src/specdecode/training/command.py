@@ -1,9 +1,10 @@
 """`specdecode train-draft`: data, features, training and a held-out summary, in one command.
 
-Everything it writes goes to --output: data.jsonl (the samples, kept so that a resumed run
-does not generate them again), checkpoint.pt (resume), the head (config.json,
-head.safetensors, vocabulary.json) and summary.json. Run again with the same options after an
-interruption, it goes on from the last checkpoint and ends with the same weights.
+Everything it writes goes to --output: the data, chunk by chunk, and data.jsonl (datafiles.py:
+a rerun goes on where an interrupted one stopped), checkpoint.pt (trainer.py), the head
+(config.json, head.safetensors, vocabulary.json) and summary.json. Run again with the same
+options after an interruption, it ends with the data and the weights of an uninterrupted run;
+--restart discards what an earlier run left.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from specdecode.drafters.head import DraftHead, eagle3_layers, head_config, new_
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
-from specdecode.training import data
+from specdecode.training import data, datafiles
 from specdecode.training.evaluate import HELD_OUT, held_out_acceptance
 from specdecode.training.features import collect
 from specdecode.training.trainer import TrainConfig, train
@@ -45,10 +46,12 @@ def train_draft(
     k: int = 4,
     dtype: str = "auto",
     progress: bool = True,
+    restart: bool = False,
 ) -> dict:
     """Train a draft head for target and save it in output; returns the summary (also in
     output/summary.json). prompts: a JSONL file of prompts (else Magpie instructions the
-    target writes); held_out: the prompts acceptance is measured on (default evaluate.HELD_OUT)."""
+    target writes); held_out: the prompts acceptance is measured on (default evaluate.HELD_OUT);
+    restart: discard the data and checkpoint an earlier run left in output."""
     config = config or TrainConfig()
     if features not in FEATURES:
         raise InvalidArgumentError(f"unknown features '{features}'; choose one of: {', '.join(FEATURES)}", "features")
@@ -65,7 +68,10 @@ def train_draft(
     timings: dict[str, float] = {}
     with _bars(console) as bars:
         start = time.perf_counter()
-        chosen = _samples(engine, output / "data.jsonl", samples, prompts, held_out, config.seed, max_new_tokens, bars)
+        settings = datafiles.data_settings(
+            engine, samples, prompts, held_out, config.seed, max_new_tokens, _chat(engine)
+        )
+        chosen = datafiles.make_data(engine, output, settings, prompts, held_out, bars, restart)
         timings["data_s"] = time.perf_counter() - start
         vocabulary = data.draft_vocabulary(chosen, vocab_size, engine.eos_token_ids)
         layers = _layers(model, features)
@@ -116,25 +122,6 @@ def _layers(model, features: str) -> tuple[int, ...]:
     return (layers,) if features == "last" else eagle3_layers(layers)
 
 
-def _samples(engine, path: Path, count, prompts, held_out, seed, max_new_tokens, bars) -> list[data.Sample]:
-    """The samples of an earlier run of this output (resume), else new ones."""
-    if path.is_file():
-        return data.load_samples(path)
-    if prompts is not None:
-        texts = data.read_prompts(prompts, held_out)[:count]
-    else:
-        task = bars.add_task("Magpie instructions", total=count)
-        texts = data.magpie_instructions(
-            engine, count, seed, held_out, on_batch=lambda n: bars.update(task, completed=n)
-        )
-    task = bars.add_task("target answers", total=len(texts))
-    chosen = data.answers(
-        engine, texts, seed, max_new_tokens, chat=_chat(engine), on_batch=lambda n: bars.update(task, completed=n)
-    )
-    data.save_samples(chosen, path)
-    return chosen
-
-
 def _training_record(config: TrainConfig, features: str, samples: list[data.Sample], state) -> dict:
     return {
         "loss": config.loss,
@@ -170,7 +157,10 @@ def train_draft_command(
     target: Annotated[str, typer.Option(help="Target model: short name, folder, .gguf file or Hub id.")] = (
         DEFAULT_TARGET
     ),
-    samples: Annotated[int, typer.Option(help="Training samples (instructions and the target's answers).")] = 300,
+    samples: Annotated[
+        int,
+        typer.Option(help="Training samples: the target's answers, greedy and sampled, to half as many instructions."),
+    ] = 300,
     prompts: Annotated[
         Optional[str], typer.Option(help='A JSONL file of prompts ({"prompt": ...}) \\[default: Magpie].')
     ] = None,
@@ -185,11 +175,16 @@ def train_draft_command(
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens per answer.")] = 192,
     checkpoint_every: Annotated[int, typer.Option(help="Optimizer steps between checkpoints.")] = 50,
     dtype: Annotated[str, typer.Option(help="The target's dtype: auto, float32 or bfloat16.")] = "auto",
+    restart: Annotated[
+        bool, typer.Option(help="Discard the data and checkpoint an earlier run left in --output; start over.")
+    ] = False,
 ) -> None:
     """Train a draft head (EAGLE-style) for a target: Magpie data, one target pass, training."""
     torch.manual_seed(seed)
     config = TrainConfig(loss, unroll, epochs, lr, batch, seed=seed, checkpoint_every=checkpoint_every)
-    train_draft(target, output, samples, prompts, vocab_size, features, config, max_new_tokens, dtype=dtype)
+    train_draft(
+        target, output, samples, prompts, vocab_size, features, config, max_new_tokens, dtype=dtype, restart=restart
+    )
 
 
 __all__ = ["DraftHead", "train_draft", "train_draft_command"]

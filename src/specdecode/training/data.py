@@ -57,30 +57,41 @@ def magpie_instructions(
 ) -> list[str]:
     """Up to count distinct instructions the target writes after its user prefix (temperature 1,
     top-p 1, ending at a newline, as Magpie's generator), none of them a held-out prompt."""
-    prefix = engine.tokenizer(user_prefix(engine.tokenizer), add_special_tokens=False).input_ids
+    prefix = magpie_prefix(engine)
     seen = {normalized(p) for p in held_out}
     found: list[str] = []
     batch, attempt = 2 * batch_size, 0
     while len(found) < count and attempt < 4 * count:
-        results = engine.generate(
-            [prefix] * batch,
-            max_new_tokens=max_tokens,
-            temperature=1.0,
-            seed=seed + attempt,
-            stop="\n",
-            max_batch_size=batch_size,
-        )
+        results = magpie_batch(engine, prefix, batch, seed + attempt, max_tokens, batch_size)
         attempt += batch
-        for result in results:
-            text = result.text.strip()
-            key = normalized(text)
-            # a cut-off instruction (no end before max_tokens) or a fragment teaches nothing useful
-            if len(key) >= 12 and result.finish_reason == "stop" and key not in seen:
-                seen.add(key)
-                found.append(text)
+        found += keep_instructions(results, seen)
         if on_batch is not None:
             on_batch(min(len(found), count))
     return found[:count]
+
+
+def magpie_prefix(engine) -> list[int]:
+    return engine.tokenizer(user_prefix(engine.tokenizer), add_special_tokens=False).input_ids
+
+
+def magpie_batch(engine, prefix: list[int], rows: int, seed: int, max_tokens: int, batch_size: int) -> list:
+    """rows instructions sampled after prefix; row i seeded seed + i (engine.generate)."""
+    return engine.generate(
+        [prefix] * rows, max_new_tokens=max_tokens, temperature=1.0, seed=seed, stop="\n", max_batch_size=batch_size
+    )
+
+
+def keep_instructions(results, seen: set[str]) -> list[str]:
+    """The results' texts worth training on and not in seen (normalized), which they join."""
+    kept = []
+    for result in results:
+        text = result.text.strip()
+        key = normalized(text)
+        # a cut-off instruction (no end before max_tokens) or a fragment teaches nothing useful
+        if len(key) >= 12 and result.finish_reason == "stop" and key not in seen:
+            seen.add(key)
+            kept.append(text)
+    return kept
 
 
 def read_prompts(path: str | Path, held_out: list[str]) -> list[str]:
@@ -125,20 +136,28 @@ def answers(
         greedy = [p for i, p in enumerate(chunk, start) if i < sampled_from]
         drawn = [p for i, p in enumerate(chunk, start) if i >= sampled_from]
         for group, sampled in ((greedy, False), (drawn, True)):
-            if not group:
-                continue
-            results = engine.generate(
-                group,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature if sampled else 0.0,
-                seed=seed + start if sampled else None,
-                chat=chat,
-                max_batch_size=batch_size,
-            )
-            samples += [Sample(r.prompt_token_ids, r.token_ids, sampled) for r in results if r.token_ids]
+            if group:
+                seeded = seed + start if sampled else None
+                samples += answer_batch(engine, group, seeded, max_new_tokens, temperature, chat, batch_size)
         if on_batch is not None:
             on_batch(min(start + 2 * batch_size, len(prompts)))
     return samples
+
+
+def answer_batch(
+    engine, prompts, seed: int | None, max_new_tokens: int, temperature: float, chat: bool, batch_size: int
+) -> list[Sample]:
+    """The target's answers to prompts: sampled at temperature with a seed (prompt i seeded
+    seed + i), greedy without one; empty answers left out (they teach nothing)."""
+    results = engine.generate(
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0 if seed is None else temperature,
+        seed=seed,
+        chat=chat,
+        max_batch_size=batch_size,
+    )
+    return [Sample(r.prompt_token_ids, r.token_ids, seed is not None) for r in results if r.token_ids]
 
 
 def draft_vocabulary(samples: list[Sample], size: int, eos_token_ids: frozenset[int] | set[int]) -> torch.Tensor:
