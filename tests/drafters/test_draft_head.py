@@ -301,6 +301,19 @@ def test_a_checkpoint_of_other_options_is_refused(tiny, tmp_path):
         weights_after(target, vocabulary, layers, examples, TrainConfig(epochs=2, batch=8), tmp_path / "c.pt")
 
 
+def test_a_checkpoint_of_another_vocabulary_or_features_is_refused_in_one_line(tiny, tmp_path):
+    target, _, head, _, examples = tiny
+    vocabulary, layers = head.vocabulary, head.config.feature_layers
+    config = TrainConfig(epochs=1, batch=8, checkpoint_every=1)
+    weights_after(target, vocabulary, layers, examples, config, tmp_path / "c.pt")
+    assert (
+        weights_after(target, vocabulary, layers, examples, config, tmp_path / "c.pt")[0] is not None
+    )  # same: resumes
+    other_vocabulary = vocabulary.flip(0)  # the same size, other tokens: shapes alone would not tell
+    with pytest.raises(InvalidArgumentError, match="another shape or vocabulary"):
+        weights_after(target, other_vocabulary, layers, examples, config, tmp_path / "c.pt")
+
+
 # --- data ---
 
 

@@ -159,10 +159,18 @@ def _save_checkpoint(head, optimizer, state: TrainState, config: TrainConfig, pa
             "optimizer": optimizer.state_dict(),
             "state": asdict(state),
             "config": asdict(config),
+            "head_setup": _head_setup(head),
         },
         partial,
     )
     os.replace(partial, path)  # whole or not at all: an interruption while writing keeps the last one
+
+
+def _head_setup(head: DraftHead) -> dict:
+    """What decides the shapes and meaning of the head's weights: its architecture (not how it
+    was trained) and the target tokens its outputs stand for."""
+    config = {k: v for k, v in asdict(head.config).items() if k != "training"}
+    return config | {"feature_layers": list(head.config.feature_layers), "vocabulary": head.vocabulary.tolist()}
 
 
 def _resume(head, optimizer, path: Path | None, config: TrainConfig) -> TrainState:
@@ -173,6 +181,13 @@ def _resume(head, optimizer, path: Path | None, config: TrainConfig) -> TrainSta
         raise InvalidArgumentError(
             f"the checkpoint {path} was written by another training setup ({saved['config']}): "
             "give the same options, or another --output",
+            "output",
+        )
+    setup = saved.get("head_setup")  # absent from checkpoints written before it was recorded
+    if setup is not None and setup != _head_setup(head):
+        raise InvalidArgumentError(
+            f"the checkpoint {path} trains a head of another shape or vocabulary (--vocab-size, --features, "
+            "or other data) than this run's: give the same options and data, or another --output",
             "output",
         )
     head.load_state_dict(saved["head"])
