@@ -108,6 +108,7 @@ def runner_variant(runner) -> list:
         getattr(device, "type", str(device)),
         getattr(runner, "per_query_attention", None),
         getattr(runner, "attention_kernel", None),  # the tree attention kernel's source, or "sdpa"
+        getattr(runner, "layer_kernel", None),  # w8a8's decoder layers in C (int8_layer.py): other bits
         getattr(runner, "_compiled_layers", None) is not None,
         sorted(products.items()),
     ]

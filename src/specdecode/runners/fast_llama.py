@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.runners import smoothing, tree_attention
+from specdecode.runners import int8_layer, smoothing, tree_attention
+from specdecode.runners import projection as projections
 from specdecode.runners.attention import attend, per_query_by_default
 from specdecode.runners.projection import (
     Int8Projection,
@@ -184,6 +185,12 @@ class FastLlamaRunner(StaticCacheRunner):
         return self._kernel is not None and self.per_query_attention
 
     @property
+    def layer_kernel(self) -> str | None:
+        """Which code runs the decoder layers, where it is not torch's operations (the response
+        cache fingerprints it: its bits are its own)."""
+        return int8_layer.kernel_identity() if self._int8_layers is not None else None
+
+    @property
     def attention_kernel(self) -> str:
         """Which attention decoding and verification run (the response cache fingerprints it)."""
         return tree_attention.kernel_identity() if self.verifies_trees else "sdpa"
@@ -236,9 +243,26 @@ class FastLlamaRunner(StaticCacheRunner):
             and tree_attention.supports(self.dtype, self.device, self.head_dim)
         )
         self._kernel = tree_attention.load() if exact_here else None
+        self._int8_layers = self._bind_int8_layers()
         self.cache = self.new_cache()
         self._cos = self._sin = torch.empty(0, self.head_dim)
         self._compiled_layers = None  # compile() sets it
+
+    def _bind_int8_layers(self) -> int8_layer.BoundLayers | None:
+        """w8a8 with every layer product on the own VNNI kernel and attention on the tree kernel:
+        the layers in one C call a forward (int8_layer.py), for every forward of this runner (its
+        bits are not the torch path's, and a forward reads the keys earlier ones wrote)."""
+        if self.int8 is None or self._kernel is None or self.dtype not in int8_layer.DTYPES:
+            return None
+        products = [getattr(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        if not all(isinstance(p, Int8Projection) and p.compensation is not None for p in products):
+            return None
+        if any(p.bias is not None and not p.bias.is_contiguous() for p in products):
+            return None
+        layers = int8_layer.load()
+        if layers is None:
+            return None
+        return layers.bind(self.layers, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
 
     def new_cache(self, capacity: int = INITIAL_CAPACITY) -> StaticKVCache:
         return StaticKVCache(
@@ -299,12 +323,22 @@ class FastLlamaRunner(StaticCacheRunner):
         cos = torch.cat([self._rows(self._cos, c.length, n, tree) for c, n, tree in zip(caches, sizes, trees)])
         sin = torch.cat([self._rows(self._sin, c.length, n, tree) for c, n, tree in zip(caches, sizes, trees)])
         total = sum(sizes)
+        keep = self._hidden_layers
+        # the negative controls of the tests replace the row quantization: the torch path then runs it
+        if self._int8_layers is not None and projections.quantize_rows is projections._QUANTIZE_ROWS:
+            keys = [
+                (tree[1].contiguous, tree[1].extra) if tree is not None else self._chain(cache.length, n)
+                for cache, n, tree in zip(caches, sizes, trees)
+            ]
+            x = x.contiguous()
+            kept = self._int8_layers(x, cos.contiguous(), sin.contiguous(), caches, sizes, keys, keep)
+            self.hidden = list(torch.stack([kept[i] for i in keep], dim=1).split(sizes)) if keep else None
+            return self._finish(caches, sizes, parents, num_logits, x)
         plans = [
             self._bind(tree[1] if tree is not None else self._plan(cache, n, m), cache, total)
             for cache, n, m, tree in zip(caches, sizes, num_logits, trees)
         ]
         kv = [(cache.keys, cache.values, cache.length) for cache in caches]
-        keep = self._hidden_layers
         compiled = self._compiled_layers is not None and len(caches) == 1 and plans[0] is None and not keep
         kept: dict[int, torch.Tensor] = {}  # layer index -> [sum n_i, hidden], filled by _layers
         if compiled:
@@ -312,6 +346,9 @@ class FastLlamaRunner(StaticCacheRunner):
         else:
             x = self._layers(x, cos, sin, kv, sizes, plans, keep, kept)
         self.hidden = list(torch.stack([kept[i] for i in keep], dim=1).split(sizes)) if keep else None
+        return self._finish(caches, sizes, parents, num_logits, x)
+
+    def _finish(self, caches, sizes, parents, num_logits, x: torch.Tensor) -> list[torch.Tensor]:
         for cache, n, p in zip(caches, sizes, parents):
             cache.advance(n, None if p is None else p.tolist())
         ends = itertools.accumulate(sizes)
@@ -330,6 +367,12 @@ class FastLlamaRunner(StaticCacheRunner):
             plan.contiguous, plan.extra, d**-0.5,
         )  # fmt: skip
         return _Bound(attend, plan)
+
+    @staticmethod
+    def _chain(length: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree kernel's plan for a chain of n new tokens after length cached ones, a prefill
+        too: query i sees positions 0 .. length + i."""
+        return torch.arange(length + 1, length + n + 1, dtype=torch.int32), torch.empty(n, 0, dtype=torch.int32)
 
     def _plan(self, cache: StaticKVCache, n: int, num_logits: int) -> _Keys | torch.Tensor | None:
         """A chain's attention: decoding and verification on the kernel (query i sees the cache
@@ -382,6 +425,7 @@ class FastLlamaRunner(StaticCacheRunner):
         self._compiled_layers = torch.compile(self._layers, dynamic=True, options={"emulate_precision_casts": True})
         # inductor cannot look into the kernel: compiled forwards attend one query at a time
         self._kernel = None
+        self._int8_layers = None
 
     def _layers(
         self,

@@ -1,0 +1,186 @@
+"""The w8a8 Llama decoder's layers in one C call a forward (csrc/int8_layer.c): built on first
+use (native.py), loaded with ctypes.
+
+On CPUs where the w8a8 product kernel runs its own VNNI product (int8_kernel.py) and the tree
+attention kernel is used (tree_attention.py), FastLlamaRunner with quantization="w8a8" runs
+every decoder layer of a forward here: the rms norms, the products (the w8a8 kernel's function,
+by pointer), rope, the KV-cache writes, attention (tree_attention.c, compiled into this
+library), silu * mul and the residual sums, for every row of every sequence of the forward. It
+replaces ~35 torch operations a layer, each costing microseconds of dispatch.
+
+Each row's result depends on that row and on the keys it sees, never on the other rows (the C
+file states the arithmetic), so tokens keep the same bits alone, verified in a chain or a tree,
+or among other sequences' rows. The rms norm's sum and silu's exp are the C file's, not torch's:
+these are other bits than the torch path's (close: the same model), so the runner runs every
+forward of such a model here, prefills too, and `kernel_identity()` goes into the response
+cache's fingerprint. Without gcc, or if the build fails, `load()` returns None (one warning)
+and the layers run on torch operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from specdecode.runners import int8_kernel, native, tree_attention
+
+log = logging.getLogger(__name__)
+
+SOURCE = native.CSRC / "int8_layer.c"
+ABI_VERSION = 1
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_loaded: dict[str, Int8Layers | None] = {}
+
+_i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _Product(ctypes.Structure):  # the C file's LayerProduct
+    _fields_ = [
+        ("packed", _ptr),
+        ("compensation", _ptr),
+        ("scales", _ptr),
+        ("bias", _ptr),
+        ("out", _i64),
+        ("in_", _i64),
+    ]
+
+
+class _Weights(ctypes.Structure):  # LayerWeights
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr)] + [(n, _Product) for n in ("qkv", "o", "gate_up", "down")]
+
+
+class _Forward(ctypes.Structure):  # Forward
+    _fields_ = [
+        (n, _i32)
+        for n in ("dtype", "layers", "heads", "kv_heads", "d", "hidden", "intermediate", "threads", "sequences")
+    ]
+    _fields_ += [("eps", _f32), ("scale", _f32), ("rows", _i64), ("product", _ptr), ("weights", _ptr)]
+    _fields_ += [(n, _ptr) for n in ("cos", "sin", "starts", "counts", "lengths", "capacities")]
+    _fields_ += [(n, _ptr) for n in ("contiguous", "extra", "max_extra", "keys", "values", "kept", "keep_slot")]
+
+
+def kernel_identity() -> str:
+    """What the response cache fingerprints: the bits are this source's and the kernels' it calls."""
+    parts = [native.source_hash(s) for s in (SOURCE, tree_attention.SOURCE, int8_kernel.SOURCE)]
+    return f"int8-layer:{hashlib.sha256(' '.join(parts).encode()).hexdigest()[:16]}"
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Int8Layers:
+    """The decoder layers of one runner: its weights' pointers fixed once (`bind`), then one call
+    a forward."""
+
+    def __init__(self, library: ctypes.CDLL, product: int):
+        self._library = library  # kept: the function below points into it
+        self._call = library.sd_int8_decoder
+        self._call.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._call.restype = ctypes.c_int
+        self._product = product  # the address of int8_kernel's sd_w8a8_quantized_product
+
+    def bind(self, layers: list, dtype: torch.dtype, heads: int, kv_heads: int, d: int, eps: float) -> BoundLayers:
+        weights = (_Weights * len(layers))()
+        # copies of what may be the model's own parameters (norms, biases): release_model_weights
+        # moves those, and the pointers here must stay valid (a few KB)
+        owned: list[torch.Tensor | None] = []
+        for w, layer in zip(weights, layers):
+            norms = layer.attn_norm.detach().clone(), layer.mlp_norm.detach().clone()
+            w.attn_norm, w.mlp_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            owned += norms
+            for name in ("qkv", "o", "gate_up", "down"):
+                p = getattr(layer, name)
+                bias = None if p.bias is None else p.bias.detach().clone()
+                owned.append(bias)
+                setattr(w, name, _Product(p.weight.data_ptr(), p.compensation.data_ptr(), p.scales.data_ptr(),
+                                          _pointer(bias), p.shape[0], p.shape[1]))  # fmt: skip
+        hidden = layers[0].o.shape[0]
+        intermediate = layers[0].down.shape[1]
+        return BoundLayers(self, weights, (layers, owned), dtype, heads, kv_heads, d, hidden, intermediate, eps)
+
+
+class BoundLayers:
+    def __init__(self, kernel, weights, layers, dtype, heads, kv_heads, d, hidden, intermediate, eps):
+        self._kernel, self._weights, self._tensors = kernel, weights, layers  # keeps the tensors alive
+        self.layers = len(layers[0])
+        self.dtype, self.heads, self.kv_heads, self.d, self.hidden = dtype, heads, kv_heads, d, hidden
+        self.intermediate, self.eps = intermediate, eps
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [rows, hidden] contiguous, the embeddings: overwritten with the last layer's output
+        cos: torch.Tensor,  # [rows, d] contiguous
+        sin: torch.Tensor,  # [rows, d] contiguous
+        caches: list,  # StaticKVCache per sequence, reserved for its new rows
+        sizes: list[int],
+        plans: list,  # per sequence: (contiguous [n] int32, extra [n, E] int32), the tree attention kernel's plan
+        keep: tuple[int, ...] = (),  # layer indices whose input to return (len(layers): the output)
+    ) -> dict[int, torch.Tensor]:
+        layers, sequences, rows = self.layers, len(caches), x.shape[0]
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + n)
+        i64s = [torch.tensor(v, dtype=torch.int64) for v in (starts, sizes, [c.length for c in caches])]
+        i64s.append(torch.tensor([c.capacity for c in caches], dtype=torch.int64))
+        plans = [(c.contiguous(), e.contiguous()) for c, e in plans]
+        contiguous = (ctypes.c_void_p * sequences)(*[c.data_ptr() for c, _ in plans])
+        extra = (ctypes.c_void_p * sequences)(*[e.data_ptr() for _, e in plans])
+        max_extra = torch.tensor([e.shape[1] for _, e in plans], dtype=torch.int32)
+        keys = (ctypes.c_void_p * (sequences * layers))(*[k.data_ptr() for c in caches for k in c.keys])
+        values = (ctypes.c_void_p * (sequences * layers))(*[v.data_ptr() for c in caches for v in c.values])
+        kept = torch.empty(len(keep), rows, self.hidden, dtype=x.dtype) if keep else None
+        slots = torch.full((layers + 1,), -1, dtype=torch.int32)
+        for slot, layer in enumerate(keep):
+            slots[layer] = slot
+        forward = _Forward(
+            DTYPES[self.dtype], layers, self.heads, self.kv_heads, self.d, self.hidden, self.intermediate,
+            torch.get_num_threads(), sequences, self.eps, self.d**-0.5, rows, self._kernel._product,
+            ctypes.addressof(self._weights), cos.data_ptr(), sin.data_ptr(), *[t.data_ptr() for t in i64s],
+            ctypes.addressof(contiguous), ctypes.addressof(extra), max_extra.data_ptr(), ctypes.addressof(keys),
+            ctypes.addressof(values), _pointer(kept), slots.data_ptr(),
+        )  # fmt: skip
+        status = self._kernel._call(ctypes.byref(forward), x.data_ptr())
+        if status:
+            raise ValueError(f"the int8 decoder layers refused their arguments (status {status})")
+        return {} if kept is None else {layer: kept[slot] for slot, layer in enumerate(keep)}
+
+
+def load() -> Int8Layers | None:
+    """The decoder, built for this CPU once per process (and once per machine and sources); None
+    where it cannot be built or where the w8a8 kernel has no VNNI product to call, with one warning."""
+    with _lock:
+        product_kernel = int8_kernel.load()
+        if product_kernel is None or not product_kernel.vnni:
+            return None
+        key = _build_key()
+        if key not in _loaded:
+            _loaded[key] = _load(key, product_kernel)
+        return _loaded[key]
+
+
+def _build_key() -> str:  # the included tree attention source is part of what is built
+    keys = native.build_key(SOURCE) + native.build_key(tree_attention.SOURCE)
+    return hashlib.sha256(keys.encode()).hexdigest()[:20]
+
+
+def _load(key: str, product_kernel: int8_kernel.Int8Kernel) -> Int8Layers | None:
+    try:
+        library = native.open_library(_build(key), ABI_VERSION)
+        product = ctypes.cast(product_kernel._quantized_product, ctypes.c_void_p).value
+        return Int8Layers(library, product)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        log.warning("int8 decoder layer kernel unavailable (%s): the w8a8 layers run on torch operations", error)
+        return None
+
+
+def _build(key: str) -> Path:  # a test replaces it with a failing build
+    return native.build(SOURCE, key)

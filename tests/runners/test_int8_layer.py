@@ -1,0 +1,202 @@
+"""w8a8's decoder layers in one C call a forward (runners/int8_layer.py, csrc/int8_layer.c): a
+token's logits are bitwise the same alone, in a verification chain, in a tree, among other
+sequences' rows, and prefilled or decoded one at a time; its bits are its own (close to the
+torch path's, and named apart in the response cache's fingerprint); without its library the
+layers run on torch operations.
+
+The paths are forced as tests/runners/test_w8a8.py forces them: a runner whose `_int8_layers` is
+None runs the torch path (the state of a runner where the library did not load), and a failing
+`_build` stands for a machine without gcc.
+"""
+
+import ctypes
+import logging
+
+import pytest
+import torch
+
+import helpers
+from helpers import assert_drafted_and_accepted, head64_llama
+from specdecode import SpeculativeEngine
+from specdecode.cache.response_cache import runner_variant
+from specdecode.drafters import PromptLookupDrafter
+from specdecode.runners import int8_kernel, int8_layer, projection
+from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
+
+EVERY_PRODUCT = Int8Recipe(keep_float=(), smoothing=0.0)
+
+
+def _kernels_here() -> bool:
+    kernel = int8_kernel.load() if projection.int8_supported() else None
+    return kernel is not None and kernel.vnni and int8_layer.load() is not None
+
+
+pytestmark = pytest.mark.skipif(not _kernels_here(), reason="no AVX512-VNNI w8a8 kernel or no gcc here")
+
+
+def c_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16) -> FastLlamaRunner:
+    runner = FastLlamaRunner(head64_llama(seed, dtype), "w8a8", recipe)
+    assert runner.layer_kernel is not None and runner.verifies_trees  # the C layers run
+    return runner
+
+
+def torch_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16) -> FastLlamaRunner:
+    runner = FastLlamaRunner(head64_llama(seed, dtype), "w8a8", recipe)
+    runner._int8_layers = None  # as where int8_layer.load() gave None
+    return runner
+
+
+def tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def verified_differs_from_alone(runner: FastLlamaRunner, n: int) -> int:
+    return helpers.verified_differs_from_alone(runner, n, starts=range(10, 170, 40), length=200)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n", [1, 8, 16])
+def test_a_token_in_a_chain_gets_the_logits_of_decoding_it_alone(n, dtype):
+    assert verified_differs_from_alone(c_runner(Int8Recipe(), dtype=dtype), n) == 0
+
+
+def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
+    runner = c_runner()
+    ids = tokens(60)
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4, 5])
+    nodes = tokens(len(parents), seed=2)
+    runner.forward(ids, 1)
+    tree = runner.forward(nodes, len(nodes), parents)
+    for i in range(len(nodes)):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, node)
+            node = int(parents[node])
+        runner.crop(len(ids))
+        alone = torch.cat([runner.forward(nodes[j : j + 1], 1) for j in path])[-1:]  # one token at a time
+        assert torch.equal(tree[i : i + 1], alone), i
+
+
+def test_a_prefill_gives_the_bits_of_decoding_its_tokens_one_at_a_time():
+    """Prefills run on the C layers too (the kernel's causal plan): the keys they write are those
+    one-token decoding writes, so what later forwards read does not depend on how a prefix came."""
+    runner = c_runner()
+    ids = tokens(150)  # past the C file's 64-query attention chunks
+    prefilled = runner.forward(ids, 3)
+    runner.reset()
+    one_at_a_time = torch.cat([runner.forward(ids[j : j + 1], 1) for j in range(len(ids))])[-3:]
+    assert torch.equal(prefilled, one_at_a_time)
+
+
+def test_sequences_of_a_batch_get_their_logits_alone():
+    """Three sequences in every forward: prefills beside each other, then a verification chain,
+    one-token decoding and a tree in one forward."""
+    runner = c_runner()
+    prompts = [tokens(n, seed=s) for n, s in ((40, 3), (12, 4), (27, 5))]
+    new = [tokens(5, seed=6), tokens(1, seed=7), tokens(4, seed=8)]
+    tree = torch.tensor([-1, 0, 0, 1])
+
+    def run(group: list[int]) -> list[torch.Tensor]:
+        caches = [runner.new_cache() for _ in group]
+        first = runner.forward_batch(caches, [prompts[i] for i in group], [2] * len(group))
+        parents = [tree if i == 2 else None for i in group]
+        second = runner.forward_batch(caches, [new[i] for i in group], [len(new[i]) for i in group], parents)
+        return [torch.cat(pair) for pair in zip(first, second)]
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        assert torch.equal(run([i])[0], together[i]), i
+
+
+def test_a_plan_that_lets_a_token_see_the_others_ties_it_to_them(monkeypatch):
+    """Negative control of the chain test: every new token attending to all of them."""
+
+    def sees_every_new_token(length: int, n: int):
+        return torch.full((n,), length + n, dtype=torch.int32), torch.empty(n, 0, dtype=torch.int32)
+
+    monkeypatch.setattr(FastLlamaRunner, "_chain", staticmethod(sees_every_new_token))
+    assert verified_differs_from_alone(c_runner(), 8) > 0
+
+
+def _python_product(shared_scale: bool):
+    """The C layers' product function, in Python: each row on its own scale (as the kernel), or
+    one scale for all the rows of a product (the wrong quantization)."""
+    kernel = int8_kernel.load()
+    signature = ctypes.CFUNCTYPE(ctypes.c_int, *kernel._quantized_product.argtypes)
+
+    def product(dtype, n, k, m, x, stride, packed, compensation, scales, bias, out, threads):
+        assert dtype == int8_kernel.DTYPES[torch.bfloat16] and stride == k
+        rows = torch.frombuffer((ctypes.c_uint16 * (n * k)).from_address(x), dtype=torch.bfloat16).view(n, k)
+        codes, row_scales = kernel.quantize_rows(rows.clone())
+        if shared_scale:  # one scale for every row: the largest
+            scale = rows.float().abs().amax().clamp_min(1e-30) / 127.0
+            codes = torch.round(rows.float() / scale).add_(128).to(torch.uint8)
+            row_scales = scale.expand(n, 1).contiguous()
+        return kernel._product(dtype, n, k, m, codes.data_ptr(), row_scales.data_ptr(), 1, packed, compensation,
+                               scales, bias, out, 1)  # fmt: skip
+
+    callback = signature(product)
+    return callback, ctypes.cast(callback, ctypes.c_void_p).value
+
+
+@pytest.mark.parametrize("shared_scale", [False, True], ids=["per-row-scale", "shared-scale"])
+def test_a_scale_shared_by_the_rows_of_a_product_ties_a_token_to_the_others(shared_scale):
+    """Negative control through the C layers' own product call: with the kernel's quantization in
+    Python the rows stay independent (so the wrapper is not what breaks them); one scale for the
+    rows of a product makes verified tokens differ from decoding them alone."""
+    runner = c_runner()
+    callback, address = _python_product(shared_scale)
+    runner._int8_layers._kernel = int8_layer.Int8Layers(runner._int8_layers._kernel._library, address)
+    differ = verified_differs_from_alone(runner, 8)
+    assert (differ > 0) == shared_scale
+    del callback
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_c_layers_are_the_torch_path_s_model_to_rounding(dtype):
+    """The same model: logits within rounding of the torch path's (in float32 not bit for bit:
+    the rms norm sums and silu's exp are the C file's own)."""
+    ids = tokens(60)
+    c = c_runner(Int8Recipe(), dtype=dtype).forward(ids, 60)
+    t = torch_runner(Int8Recipe(), dtype=dtype).forward(ids, 60)
+    assert (c - t).abs().max() <= 0.05 * t.abs().max()
+    assert (c.argmax(-1) == t.argmax(-1)).float().mean() >= 0.95
+    if dtype == torch.float32:
+        assert not torch.equal(c, t)  # other bits: the C layers did run
+
+
+def test_speculation_equals_target_only_decoding_of_the_same_engine():
+    runner = c_runner(Int8Recipe())
+    engine = SpeculativeEngine(runner, drafter=PromptLookupDrafter(), num_speculative_tokens=6)  # k pinned
+    prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
+    target_only = [r.token_ids for r in engine.generate(prompts, max_new_tokens=60, speculative=False)]
+    speculative = engine.generate(prompts, max_new_tokens=60)
+    assert_drafted_and_accepted(speculative)
+    assert [r.token_ids for r in speculative] == target_only
+    batched = engine.generate(prompts, max_new_tokens=60, max_batch_size=3)
+    assert_drafted_and_accepted(batched)
+    assert [r.token_ids for r in batched] == target_only
+    assert runner.layer_kernel is not None
+
+
+def test_the_fingerprint_names_the_c_layers():
+    assert runner_variant(c_runner()) != runner_variant(torch_runner())
+    assert c_runner().layer_kernel == int8_layer.kernel_identity()
+
+
+def test_without_the_library_the_layers_run_on_torch_operations(monkeypatch, caplog):
+    def no_compiler(key: str):
+        raise RuntimeError("no gcc on PATH")
+
+    ids, verified = tokens(40), tokens(8, seed=5)
+    expected = torch_runner()
+    expected = [expected.forward(ids, 3), expected.forward(verified, 8)]
+    monkeypatch.setattr(int8_layer, "_loaded", {})
+    monkeypatch.setattr(int8_layer, "_build", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="specdecode.runners.int8_layer"):
+        without = FastLlamaRunner(head64_llama(0, torch.bfloat16), "w8a8", EVERY_PRODUCT)
+    assert caplog.text.count("int8 decoder layer kernel unavailable") == 1
+    assert without.layer_kernel is None and without.verifies_trees
+    assert torch.equal(without.forward(ids, 3), expected[0]) and torch.equal(without.forward(verified, 8), expected[1])
+    assert verified_differs_from_alone(without, 8) == 0
+    assert runner_variant(without) == runner_variant(torch_runner())
