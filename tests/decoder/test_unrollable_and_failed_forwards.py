@@ -172,3 +172,15 @@ def test_a_forward_that_fails_part_way_is_retried_to_the_uninterrupted_output(fa
             assert seq.stats.drafted_tokens > 0 and seq.stats.replayed_tokens == 0  # nothing ran twice
         else:
             assert lengths[:3] == [0, 0, 0] and seq.stats.replayed_tokens > 0
+
+
+def test_a_target_without_attention_takes_no_kv_cache_budget():
+    """Mamba's state does not grow with the sequence: the server's KV budget counts 0 bytes a
+    position for it (and still the real size for attention layers)."""
+    from specdecode.runners.slots import kv_bytes_per_token
+    from specdecode.server.app import batch_size_for_budget
+
+    assert kv_bytes_per_token(HFModelRunner(tiny_mamba(seed=1))) == 0
+    assert kv_bytes_per_token(HFModelRunner(tiny_llama(seed=1))) > 0
+    engine = SpeculativeEngine(tiny_mamba(seed=1))
+    assert batch_size_for_budget(engine, 8, kv_cache_gb=1e-6) == 8

@@ -34,14 +34,14 @@ def _kernels_here() -> bool:
 pytestmark = pytest.mark.skipif(not _kernels_here(), reason="no AVX512-VNNI w8a8 kernel or no gcc here")
 
 
-def c_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16) -> FastLlamaRunner:
-    runner = FastLlamaRunner(head64_llama(seed, dtype), "w8a8", recipe)
+def c_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16, **config) -> FastLlamaRunner:
+    runner = FastLlamaRunner(head64_llama(seed, dtype, **config), "w8a8", recipe)
     assert runner.layer_kernel is not None and runner.verifies_trees  # the C layers run
     return runner
 
 
-def torch_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16) -> FastLlamaRunner:
-    runner = FastLlamaRunner(head64_llama(seed, dtype), "w8a8", recipe)
+def torch_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16, **config) -> FastLlamaRunner:
+    runner = FastLlamaRunner(head64_llama(seed, dtype, **config), "w8a8", recipe)
     runner._int8_layers = None  # as where int8_layer.load() gave None
     return runner
 
@@ -58,6 +58,16 @@ def verified_differs_from_alone(runner: FastLlamaRunner, n: int) -> int:
 @pytest.mark.parametrize("n", [1, 8, 16])
 def test_a_token_in_a_chain_gets_the_logits_of_decoding_it_alone(n, dtype):
     assert verified_differs_from_alone(c_runner(Int8Recipe(), dtype=dtype), n) == 0
+
+
+def test_biases_and_one_key_head_a_query_group():
+    """q|k|v and o biases (Llama's attention_bias, as Qwen2's q|k|v), and every query head on one
+    key/value head: still row by row, and still the torch path's model."""
+    config = dict(attention_bias=True, kv_heads=1)
+    assert verified_differs_from_alone(c_runner(**config), 8) == 0
+    ids = tokens(40)
+    c, t = c_runner(**config).forward(ids, 40), torch_runner(**config).forward(ids, 40)
+    assert (c - t).abs().max() <= 0.05 * t.abs().max()
 
 
 def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
@@ -200,3 +210,20 @@ def test_without_the_library_the_layers_run_on_torch_operations(monkeypatch, cap
     assert torch.equal(without.forward(ids, 3), expected[0]) and torch.equal(without.forward(verified, 8), expected[1])
     assert verified_differs_from_alone(without, 8) == 0
     assert runner_variant(without) == runner_variant(torch_runner())
+
+
+def test_hidden_states_come_from_the_c_layers_row_by_row():
+    """hidden_layers (what the draft head reads) from the same C call: layer 0's input is the
+    embedding, and a verified token's states are those of decoding it alone."""
+    runner = c_runner()
+    layers = len(runner.layers)
+    runner.hidden_layers = (0, 1, layers)
+    ids, new = tokens(30), tokens(6, seed=3)
+    runner.forward(ids, 1)
+    together = runner.forward(new, 6), runner.hidden
+    assert together[1].shape == (6, 3, runner.embed.shape[1])
+    assert torch.equal(together[1][:, 0], runner.embed[new])
+    runner.crop(len(ids))
+    alone = [(runner.forward(new[j : j + 1], 1), runner.hidden) for j in range(6)]
+    assert torch.equal(together[0], torch.cat([logits for logits, _ in alone]))
+    assert torch.equal(together[1], torch.cat([hidden for _, hidden in alone]))

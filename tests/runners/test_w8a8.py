@@ -82,7 +82,7 @@ def test_a_verified_token_gets_the_logits_of_decoding_it_alone(recipe, n):
 
 def test_one_activation_scale_for_the_whole_batch_would_tie_a_token_to_the_others(monkeypatch):
     """Negative control of the test above: quantized on the batch's scale, rows differ."""
-    monkeypatch.setattr(projection, "quantize_rows", per_batch_scale)
+    monkeypatch.setattr(projection, "row_quantization", per_batch_scale)
     assert verified_differs_from_alone(int8_runner(), 8) > 0
 
 

@@ -79,3 +79,23 @@ def test_url_with_or_without_v1_and_a_clear_error_when_nothing_answers(tiny_mode
     result = CliRunner().invoke(cli_app, ["loadtest", "--url", "http://127.0.0.1:9", "--requests", "1"])
     assert result.exit_code == 2 and "no OpenAI-compatible server answered" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_keyed_server_is_load_tested_with_its_key_and_named_without_it(tiny_model_dir):
+    """--url with --api-key reaches /v1 and the keyed /metrics; without the key (or with a wrong
+    one) the run stops in one line that names --api-key."""
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    with serving(create_app(engine, model_name=MODEL, api_key="sesame")) as url:
+        with started_server(url, "unused", 1, None, Console(), api_key="sesame") as (api_base, model):
+            (level,) = run_loadtest(api_base, model, PROMPTS[:2], [1], max_tokens=4, api_key="sesame")
+            counters = server_metrics(api_base, "sesame")
+        assert (
+            level.completed == 2
+            and level.failed == 0
+            and sum(v for k, v in counters.items() if k.startswith("request_success_total")) >= 2
+        )
+        for key in ([], ["--api-key", "wrong"]):
+            result = CliRunner().invoke(cli_app, ["loadtest", "--url", url, "--requests", "1", *key], env={})
+            assert result.exit_code == 2 and "--api-key" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(cli_app, ["loadtest", "--api-key", "sesame"])
+    assert result.exit_code == 2 and "--api-key is for a running server's --url" in result.output

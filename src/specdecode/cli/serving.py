@@ -235,6 +235,10 @@ def loadtest(
         Optional[str], typer.Option(help="JSONL prompts [default: the shipped Spec-Bench subset].")
     ] = None,
     output: Annotated[Optional[str], typer.Option(help="Write the results as JSON to this file.")] = None,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(envvar="SPECDECODE_API_KEY", help="With --url: the server's API key (sent on /v1 and /metrics)."),
+    ] = None,
 ) -> None:
     """Throughput and latency percentiles of an OpenAI-compatible server at several concurrency levels."""
     from specdecode.bench.prompts import load_prompts
@@ -248,15 +252,25 @@ def loadtest(
             raise InvalidArgumentError(f"--disconnect-rate must be in [0, 1], got {disconnect_rate}")
         if url and (inject_faults or dtype != "auto"):
             raise InvalidArgumentError("--inject-faults and --dtype apply to the server started here; drop --url")
+        if api_key and not url:
+            raise InvalidArgumentError("--api-key is for a running server's --url; the server started here has none")
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"unknown --dtype '{dtype}'; use {', '.join(DTYPES)}")
         texts = [p.text for p in load_prompts(prompts)]
         texts = [texts[i % len(texts)] for i in range(requests)]
-        with started_server(url, target, max_batch_size, inject_faults, stderr, dtype) as (base_url, model):
+        with started_server(url, target, max_batch_size, inject_faults, stderr, dtype, api_key) as (base_url, model):
             results = run_loadtest(
-                base_url, model, texts, levels, max_tokens, temperature, disconnect_rate, on_level=print_level
+                base_url,
+                model,
+                texts,
+                levels,
+                max_tokens,
+                temperature,
+                disconnect_rate,
+                api_key=api_key or "unused",
+                on_level=print_level,
             )
-            metrics = server_metrics(base_url)
+            metrics = server_metrics(base_url, api_key)
     summary = {"levels": [r.as_dict() for r in results], "server_metrics": metrics}
     stderr.print(f"server counters after the run: {metrics}")
     if output:

@@ -324,8 +324,8 @@ class FastLlamaRunner(StaticCacheRunner):
         sin = torch.cat([self._rows(self._sin, c.length, n, tree) for c, n, tree in zip(caches, sizes, trees)])
         total = sum(sizes)
         keep = self._hidden_layers
-        # the negative controls of the tests replace the row quantization: the torch path then runs it
-        if self._int8_layers is not None and projections.quantize_rows is projections._QUANTIZE_ROWS:
+        # the C layers quantize rows as quantize_rows does; another row quantization runs on torch's path
+        if self._int8_layers is not None and projections.row_quantization is None:
             keys = [
                 (tree[1].contiguous, tree[1].extra) if tree is not None else self._chain(cache.length, n)
                 for cache, n, tree in zip(caches, sizes, trees)

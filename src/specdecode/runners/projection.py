@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,9 +168,9 @@ class Int8Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] in x's dtype
         # the own layout is made only where int8_kernel loaded, and a loaded kernel stays loaded
-        if self.compensation is not None and quantize_rows is _QUANTIZE_ROWS and _own_kernel_takes_x(x, self.bias):
+        if self.compensation is not None and row_quantization is None and _own_kernel_takes_x(x, self.bias):
             return int8_kernel.load().quantized_product(x, self.weight, self.compensation, self.scales, self.bias)
-        codes, row_scales = quantize_rows(x)
+        codes, row_scales = (row_quantization or quantize_rows)(x)
         if self.compensation is not None and _own_kernel_takes(codes, row_scales, self.bias, x.dtype):
             return int8_kernel.load().product(
                 codes, row_scales, self.weight, self.compensation, self.scales, self.bias, x.dtype
@@ -227,9 +228,10 @@ def quantize_rows(
     return quantize_rows_torch(x)
 
 
-# what the own kernel's one call quantizes as: where quantize_rows is replaced by another
-# quantization (a test's negative control), products call that one and multiply its codes
-_QUANTIZE_ROWS = quantize_rows
+# None: rows are quantized as quantize_rows does, which the fused calls (the one-call product,
+# the C decoder layers) do inside. Another row quantization set here (a test's negative control:
+# one scale for the whole batch) makes every product call it, and the fused calls step aside.
+row_quantization: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def quantize_rows_torch(

@@ -82,13 +82,17 @@ class SlotPool:
 
 def kv_bytes_per_token(runner: ModelRunner) -> int:
     """Bytes of KV cache one position of a sequence takes: keys and values, of every layer's
-    key/value heads, in the cache's dtype (for transformers' runner, read from the config)."""
+    key/value heads, in the cache's dtype (for transformers' runner, read from the config; 0 for
+    a model without attention)."""
     if isinstance(runner, StaticCacheRunner):
         layers, heads, _, dim = runner.cache.shape
         dtype = runner.cache.dtype
     elif isinstance(runner, HFModelRunner):
         config = runner.model.config.get_text_config()
-        layers, query_heads = config.num_hidden_layers, config.num_attention_heads
+        query_heads = getattr(config, "num_attention_heads", None)
+        if not query_heads:  # no attention (Mamba): a fixed-size recurrent state, nothing per position
+            return 0
+        layers = config.num_hidden_layers
         heads = getattr(config, "num_key_value_heads", None) or query_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // query_heads
         dtype = runner.model.dtype

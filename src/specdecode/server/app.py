@@ -171,6 +171,8 @@ def batch_size_for_budget(engine: SpeculativeEngine, max_batch_size: int, kv_cac
     counted: the weights, activations, a draft model's cache, and the copy a cache briefly
     needs while it doubles."""
     per_token = kv_bytes_per_token(engine.target_runner)
+    if per_token == 0:  # a recurrent state only: nothing grows with the sequence
+        return max_batch_size
     per_sequence = engine.max_model_len * per_token
     budget = int(kv_cache_gb * 2**30)
     fits = budget // per_sequence

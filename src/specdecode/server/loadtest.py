@@ -190,13 +190,19 @@ def run_loadtest(
 
 @contextmanager
 def started_server(
-    url: str | None, target: str, max_batch_size: int, inject_faults: str | None, console: Console, dtype: str = "auto"
+    url: str | None,
+    target: str,
+    max_batch_size: int,
+    inject_faults: str | None,
+    console: Console,
+    dtype: str = "auto",
+    api_key: str | None = None,
 ) -> Iterator[tuple[str, str]]:
     """(base URL, model name) of the server at url, or of a `specdecode serve` started here
     (in its own process, so that clients and engine do not share an interpreter) and stopped after."""
     if url is not None:
         api_base = url.rstrip("/").removesuffix("/v1") + "/v1"
-        yield api_base, _served_model(api_base)
+        yield api_base, _served_model(api_base, api_key)
         return
     args = ["--target", target, "--max-batch-size", str(max_batch_size), "--dtype", dtype]
     args += ["--inject-faults", inject_faults] if inject_faults else []
@@ -270,9 +276,19 @@ def _healthy(root: str) -> bool:
         return False
 
 
-def _served_model(api_base: str) -> str:
+def _bearer(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _served_model(api_base: str, api_key: str | None = None) -> str:
     try:
-        response = httpx.get(f"{api_base}/models", timeout=30)
+        response = httpx.get(f"{api_base}/models", headers=_bearer(api_key), timeout=30)
+        if response.status_code == 401:
+            raise InvalidArgumentError(
+                f"the server at {api_base} wants an API key; give it with --api-key (or SPECDECODE_API_KEY)"
+                if not api_key
+                else f"the server at {api_base} refused the API key given by --api-key (or SPECDECODE_API_KEY)"
+            )
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
@@ -282,9 +298,9 @@ def _served_model(api_base: str) -> str:
         ) from error
 
 
-def server_metrics(base_url: str) -> dict[str, float]:
+def server_metrics(base_url: str, api_key: str | None = None) -> dict[str, float]:
     """The server's counters that tell whether anything was lost: restarts, retries, requests by outcome."""
-    text = httpx.get(f"{base_url.removesuffix('/v1')}/metrics", timeout=30).text
+    text = httpx.get(f"{base_url.removesuffix('/v1')}/metrics", headers=_bearer(api_key), timeout=30).text
     wanted = (
         "num_requests_running",
         "num_requests_waiting",
