@@ -183,12 +183,15 @@ def quantization_of(model: torch.nn.Module) -> str | None:
 def precision_of(model: torch.nn.Module, runner=None) -> str:
     """The model's precision in words: "float32", "nf4 (bitsandbytes, bfloat16 compute), float32
     elsewhere", or for a runner that quantizes its products itself (w8a8), "w8a8 (int8 weights
-    and activations), bfloat16 elsewhere"."""
+    and activations; 16-bit activations in head), bfloat16 elsewhere" (the products whose
+    activations are 16-bit: Int8Recipe.w8a16)."""
     # transformers' dtype: its first floating-point weight's (bitsandbytes' packed weights are integers)
     dtype = str(getattr(model, "dtype", None) or next(model.parameters()).dtype).removeprefix("torch.")
     own = getattr(runner, "quantization", None)
     if own == "w8a8":
-        return f"w8a8 (int8 weights and activations), {dtype} elsewhere"
+        wide = getattr(getattr(runner, "int8", None), "w8a16", ())
+        detail = f"; 16-bit activations in {', '.join(wide)}" if wide else ""
+        return f"w8a8 (int8 weights and activations{detail}), {dtype} elsewhere"
     if own is not None:
         return f"{own} (fast runner), {dtype} elsewhere"
     quantization = quantization_of(model)

@@ -63,7 +63,8 @@ QUANTIZATIONS = (
     ),
     Quantization(
         "w8a8",
-        "int8 weights per output channel, int8 activations per row (smoothed), oneDNN's int8 products",
+        "int8 weights per output channel, int8 activations per row (smoothed; the output head's 16-bit on "
+        "AVX512-VNNI), exact integer products",
         "fast",
         (TARGET, PROFILE),
     ),

@@ -74,12 +74,13 @@ def weights_fingerprint(model: torch.nn.Module, tokenizer) -> str:
 
 def runner_variant(runner) -> list:
     """How a runner computes: its class, dtype and device, and on the fast runners each
-    product's kernel (oneDNN's reordered layout, weight-only int8, w8a8, the padded one-row product),
+    product's kernel (oneDNN's reordered layout, weight-only int8, w8a8, w8a16, the padded one-row product),
     the attention (one query at a time or batched) and whether it is compiled. A string: a
     runner's name alone (what callers outside the engine may have)."""
     if isinstance(runner, str):
         return [runner]
-    from specdecode.runners.projection import Int8Projection, Projection, weight_limit
+    from specdecode.runners.int8_kernel import WEIGHT_LIMIT, WIDE_ACTIVATION_LIMIT
+    from specdecode.runners.projection import Int8Projection, Projection, W8A16Projection, weight_limit
 
     products: Counter = Counter()
 
@@ -92,6 +93,9 @@ def runner_variant(runner) -> list:
             products[(*kind, str(value.weight.dtype))] += 1
         elif isinstance(value, Int8Projection):  # w8a8: the weight codes' range decides the bits
             products[("w8a8", weight_limit(), str(None if value.bias is None else value.bias.dtype))] += 1
+        elif isinstance(value, W8A16Projection):  # int8 weights, 16-bit activations: other bits than w8a8's
+            bias = str(None if value.bias is None else value.bias.dtype)
+            products[("w8a16", WEIGHT_LIMIT, WIDE_ACTIVATION_LIMIT, bias)] += 1
         elif depth < 3 and isinstance(value, list | tuple):
             for item in value:
                 visit(item, depth + 1)

@@ -33,10 +33,12 @@ from specdecode.runners.attention import attend, per_query_by_default
 from specdecode.runners.projection import (
     Int8Projection,
     Projection,
+    W8A16Projection,
     has_vnni,
     int8_projection,
     int8_supported,
     projection,
+    w8a16_projection,
 )
 from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache, append
 
@@ -68,28 +70,46 @@ def _rope_type(config) -> str:
     return rope_parameters.get("rope_type", "default")
 
 
-_Product = Union[Projection, Int8Projection]
+_Product = Union[Projection, Int8Projection, W8A16Projection]
 
 
 @dataclass(frozen=True)
 class Int8Recipe:
-    """What w8a8 does: which products it leaves in the model's dtype (names from PRODUCTS), and
-    SmoothQuant's smoothing (smoothing.py; alpha, 0 for none), calibrated on a forward of
+    """What w8a8 does: which products it leaves in the model's dtype (`keep_float`, names from
+    PRODUCTS), which it runs with int8 weights and 16-bit activations (`w8a16`:
+    projection.W8A16Projection; the others int8 weights and activations), SmoothQuant's smoothing
+    (smoothing.py; alpha, 0 for none) of the w8a8 products, calibrated on a forward of
     `calibration` (token ids; empty: CALIBRATION_TOKENS ids drawn uniformly from the vocabulary
-    with a fixed seed, so that no text is needed and the model is the same at every load). The
-    default quantizes every product but the output head, whose int8 products cost the most
-    perplexity, and smooths all but o (whose input comes from attention, with no weight before
-    it to fold into): benchmarks/int8.py measures each choice's perplexity and speed
-    (docs/quantization.md)."""
+    with a fixed seed, so that no text is needed and the model is the same at every load).
 
-    keep_float: tuple[str, ...] = ("head",)
+    Neither keep_float nor w8a16 given: the default for this CPU. Where this package's VNNI
+    kernel runs (AVX512-VNNI), the output head in w8a16 and every layer product in w8a8: the head
+    is the product whose int8 activations cost the most perplexity, and 16-bit ones cost about
+    what the bfloat16 head does for fewer bytes read. Elsewhere the w8a16 head would run on
+    torch's exact float64 path, slower than bfloat16's, so the head stays in the model's dtype. One of them given, the other is empty. The layers are smoothed but o (whose
+    input comes from attention, with no weight before it to fold into). benchmarks/int8.py
+    measures each choice's perplexity and speed (docs/quantization.md)."""
+
+    keep_float: tuple[str, ...] | None = None
     smoothing: float = 0.5
     calibration: tuple[int, ...] = ()
+    # not smoothed: 16-bit activations lose little in quantization, so smoothing would only move
+    # error into the weights
+    w8a16: tuple[str, ...] | None = None
 
     def __post_init__(self):
-        unknown = set(self.keep_float) - set(PRODUCTS)
+        if self.keep_float is None and self.w8a16 is None:
+            wide_head = projections.own_kernel() is not None
+            object.__setattr__(self, "keep_float", () if wide_head else ("head",))
+            object.__setattr__(self, "w8a16", ("head",) if wide_head else ())
+        object.__setattr__(self, "keep_float", tuple(self.keep_float or ()))
+        object.__setattr__(self, "w8a16", tuple(self.w8a16 or ()))
+        unknown = (set(self.keep_float) | set(self.w8a16)) - set(PRODUCTS)
         if unknown:
             raise ValueError(f"unknown products {sorted(unknown)}; choose among {PRODUCTS}")
+        both = set(self.keep_float) & set(self.w8a16)
+        if both:
+            raise ValueError(f"products {sorted(both)} are both kept in float and w8a16; name each in one")
         if not 0 <= self.smoothing <= 1:
             raise ValueError(f"smoothing is SmoothQuant's alpha, in [0, 1], not {self.smoothing}")
 
@@ -99,7 +119,11 @@ class Int8Recipe:
         return torch.randint(0, vocab_size, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(0))
 
     def quantizes(self, product: str) -> bool:
+        """Whether the product's weights are int8 (w8a8 or w8a16)."""
         return product not in self.keep_float
+
+    def mode(self, product: str) -> str:  # "float", "w8a8" or "w8a16"
+        return "float" if product in self.keep_float else "w8a16" if product in self.w8a16 else "w8a8"
 
 
 @dataclass
@@ -139,7 +163,8 @@ class FastLlamaRunner(StaticCacheRunner):
     with a cache of its own (forward_batch, new_cache). quantization="int8-weight-only" stores
     the layers' products as weight-only int8 (the embedding and output head stay as they are);
     "w8a8" runs them on int8 weights and per-row int8 activations (projection.Int8Projection;
-    which products, `int8`), exact by construction: integer sums do not depend on the rows
+    which products, `int8`; by default on AVX512-VNNI the output head with 16-bit activations,
+    projection.W8A16Projection), exact by construction: integer sums do not depend on the rows
     beside a row. Embeddings, norms, attention and the KV cache stay in the model's dtype.
 
     `hidden_layers` (default none): after each forward, `hidden` holds the hidden states
@@ -222,9 +247,9 @@ class FastLlamaRunner(StaticCacheRunner):
         self.final_norm = model.model.norm.weight
         smooth = self.int8 is not None and self.int8.smoothing > 0
         maxima = smoothing.input_maxima(model, self.int8.calibration_ids(self.vocab_size)) if smooth else None
-        # the output head stays in the model's dtype unless a w8a8 recipe quantizes it
+        # the output head stays in the model's dtype unless a w8a8 recipe quantizes it (smoothed in w8a8)
         head = model.get_output_embeddings().weight
-        if smooth and self.int8.quantizes("head"):
+        if smooth and self.int8.mode("head") == "w8a8":
             with torch.no_grad():  # folded weights keep no autograd graph (it would hold float copies)
                 s = smoothing.factors(maxima[-1]["head"], head, self.int8.smoothing)  # [hidden]
                 self.final_norm, head = (self.final_norm.float() / s).to(self.final_norm.dtype), head.float() * s
@@ -518,14 +543,14 @@ class FastLlamaRunner(StaticCacheRunner):
         )
         if maxima is not None:
             alpha = self.int8.smoothing
-            if self.int8.quantizes("down"):
+            if self.int8.mode("down") == "w8a8":
                 s = smoothing.factors(maxima["down"], down, alpha)  # [intermediate]
                 up, down = (up.float() / s[:, None]).to(up.dtype), down.float() * s
             gate_up = torch.cat([gate, up])
-            if self.int8.quantizes("qkv"):
+            if self.int8.mode("qkv") == "w8a8":
                 s = smoothing.factors(maxima["qkv"], qkv, alpha)
                 attn_norm, qkv = (attn_norm.float() / s).to(attn_norm.dtype), qkv.float() * s
-            if self.int8.quantizes("gate_up"):
+            if self.int8.mode("gate_up") == "w8a8":
                 s = smoothing.factors(maxima["gate_up"], gate_up, alpha)
                 mlp_norm, gate_up = (mlp_norm.float() / s).to(mlp_norm.dtype), gate_up.float() * s
         else:
@@ -542,7 +567,7 @@ class FastLlamaRunner(StaticCacheRunner):
     def _product(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> _Product:  # weight [out, in]
         if self.int8 is not None and self.int8.quantizes(name):
             bias = None if bias is None else bias.to(self.dtype)
-            return int8_projection(weight, bias)
+            return w8a16_projection(weight, bias) if self.int8.mode(name) == "w8a16" else int8_projection(weight, bias)
         if name == "head" or self.quantization != "int8-weight-only":
             return projection(weight, bias, None)
         return projection(weight, bias, "int8")

@@ -2,6 +2,10 @@
 epilogue (sums times row scales, to the model's dtype, plus bias), built on first use
 (native.py) and loaded with ctypes.
 
+On AVX512-VNNI it also runs w8a16 (projection.W8A16Projection): the same packed int8 weights
+times activations quantized per row to ~15-bit integers, each code split into two bytes for two
+`vpdpbusd` sums, recombined exactly in int32 (the C file states why), with the w8a8 epilogue.
+
 Each call replaces a sequence of torch operations (projection.quantize_rows_torch, and
 `(sums * row_scales).to(dtype) + bias`) and gives their bits: the same float32 operations in the
 same order, each element on its own (the C file states the arithmetic; tests/runners/test_w8a8.py
@@ -25,9 +29,11 @@ from specdecode.runners import native
 log = logging.getLogger(__name__)
 
 SOURCE = native.CSRC / "w8a8.c"
-ABI_VERSION = 3
+ABI_VERSION = 4
 GROUP = 64  # output columns of a packed group (the C file's GROUP)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+WIDE_ACTIVATION_LIMIT = 16383  # w8a16's largest activation code: 15 bits, whose high byte + 128 is a uint8
+WEIGHT_LIMIT = 127  # the largest weight code of the own kernel's products
 
 _lock = threading.Lock()
 _loaded: dict[str, Int8Kernel | None] = {}
@@ -46,7 +52,14 @@ class Int8Kernel:
         self._product.argtypes = [i32, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32]
         self._quantized_product = library.sd_w8a8_quantized_product
         self._quantized_product.argtypes = [i32, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32]
-        for function in (self._quantize, self._epilogue, self._product, self._quantized_product):
+        self._quantize16 = library.sd_w8a16_quantize_rows
+        self._quantize16.argtypes = [i32, i64, i64, ptr, i64, i32, ptr, ptr, ptr, i32]
+        self._product16 = library.sd_w8a16_product
+        self._product16.argtypes = [i32, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32]
+        self._quantized_product16 = library.sd_w8a16_quantized_product
+        self._quantized_product16.argtypes = [i32, i64, i64, i64, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr, i32]
+        functions = (self._quantize, self._epilogue, self._product, self._quantized_product)
+        for function in functions + (self._quantize16, self._product16, self._quantized_product16):
             function.restype = ctypes.c_int
         self.vnni = bool(library.sd_w8a8_vnni())  # built with AVX512-VNNI: product() runs
 
@@ -137,6 +150,71 @@ class Int8Kernel:
             raise ValueError(f"w8a8 product refused x of {x.dtype}, shape {tuple(x.shape)}")
         return out
 
+    def wide_quantize_rows(
+        self,
+        x: torch.Tensor,  # [n, in], supports(x)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # int32 codes [n, in], float32 scales [n, 1]
+        """w8a16's row quantization (the C file's, needing VNNI): the codes recomposed from the bytes
+        the product reads, code = 256 * (hi - 128) + lo."""
+        n, k = x.shape
+        bytes_ = torch.empty(2, n, k, dtype=torch.uint8)
+        scales = torch.empty(n, 1, dtype=torch.float32)
+        if self._quantize16(
+            DTYPES[x.dtype], n, k, x.data_ptr(), x.stride(0), wide_activation_limit(k), bytes_[0].data_ptr(),
+            bytes_[1].data_ptr(), scales.data_ptr(), torch.get_num_threads(),
+        ):  # fmt: skip
+            raise ValueError(f"w8a16 quantization refused x of {x.dtype}, shape {tuple(x.shape)}")
+        return (bytes_[0].int() - 128) * 256 + bytes_[1].int(), scales
+
+    def wide_product(
+        self,
+        codes: torch.Tensor,  # [n, in] int32 activation codes, |code| <= wide_activation_limit(in)
+        row_scales: torch.Tensor,  # [n, 1] float32
+        packed: torch.Tensor,  # pack()'s layout
+        compensation: torch.Tensor,  # [out] int32
+        weight_scales: torch.Tensor,  # [out] float32
+        bias: torch.Tensor | None,  # [out] of dtype, contiguous
+        dtype: torch.dtype,  # in DTYPES
+    ) -> torch.Tensor:  # [n, out] of dtype
+        """The w8a16 product of codes quantized elsewhere (a test's other quantization)."""
+        (n, k), m = codes.shape, compensation.shape[0]
+        if codes.abs().max() > wide_activation_limit(k):
+            raise ValueError(f"w8a16 activation codes beyond {wide_activation_limit(k)} for {k} inputs")
+        hi = ((codes >> 8) + 128).to(torch.uint8).contiguous()
+        lo = (codes & 255).to(torch.uint8).contiguous()
+        out = torch.empty(n, m, dtype=dtype)
+        bias_pointer = None if bias is None else bias.data_ptr()
+        if self._product16(
+            DTYPES[dtype], n, k, m, hi.data_ptr(), lo.data_ptr(), row_scales.data_ptr(), row_scales.stride(0),
+            packed.data_ptr(), compensation.data_ptr(), weight_scales.data_ptr(), bias_pointer, out.data_ptr(),
+            torch.get_num_threads(),
+        ):  # fmt: skip
+            raise ValueError(f"w8a16 product refused codes of shape {tuple(codes.shape)} to {dtype}")
+        return out
+
+    def wide_quantized_product(
+        self,
+        x: torch.Tensor,  # [n, in], supports(x)
+        packed: torch.Tensor,  # pack()'s layout
+        compensation: torch.Tensor,  # [out] int32
+        weight_scales: torch.Tensor,  # [out] float32
+        bias: torch.Tensor | None,  # [out] of x's dtype, contiguous
+    ) -> torch.Tensor:  # [n, out] of x's dtype: w8a16 (projection.W8A16Projection), quantizing too
+        (n, k), m = x.shape, compensation.shape[0]
+        out = torch.empty(n, m, dtype=x.dtype)
+        bias_pointer = None if bias is None else bias.data_ptr()
+        if self._quantized_product16(
+            DTYPES[x.dtype], n, k, m, x.data_ptr(), x.stride(0), wide_activation_limit(k), packed.data_ptr(),
+            compensation.data_ptr(), weight_scales.data_ptr(), bias_pointer, out.data_ptr(), torch.get_num_threads(),
+        ):  # fmt: skip
+            raise ValueError(f"w8a16 product refused x of {x.dtype}, shape {tuple(x.shape)}")
+        return out
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, out: int) -> torch.Tensor:  # pack()'s layout -> [out, in] int8
+        groups, quads = packed.shape[:2]
+        return packed.transpose(1, 2).reshape(groups * GROUP, quads * 4)[:out]
+
     @staticmethod
     def epilogue_supports(sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None, dtype) -> bool:
         """Whether epilogue() takes these (else the torch expression runs)."""
@@ -148,6 +226,13 @@ class Int8Kernel:
             and row_scales.shape == (sums.shape[0], 1)
             and (bias is None or (bias.dtype == dtype and bias.is_contiguous() and bias.shape == (sums.shape[1],)))
         )
+
+
+def wide_activation_limit(k: int) -> int:
+    """w8a16's largest activation code for products of k inputs: WIDE_ACTIVATION_LIMIT, or less
+    where k is large enough that the int32 sum could overflow. |sum| <= limit * 127 * k < 2^31
+    keeps every sum exact (the C file's check_limit is the same bound)."""
+    return min(WIDE_ACTIVATION_LIMIT, (2**31 - 1) // (WEIGHT_LIMIT * k))
 
 
 def load() -> Int8Kernel | None:

@@ -264,6 +264,97 @@ def epilogue_torch(sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Ten
     return y if bias is None else y + bias
 
 
+@dataclass(frozen=True)
+class W8A16Projection:
+    """y = x W^T + b with int8 weights and 16-bit integer activations (`w8a16`; fast_llama's
+    Int8Recipe.w8a16 names the products): W holds int8 codes per output channel as w8a8's do (in
+    int8_kernel's packed layout with its compensation where that kernel runs, else the plain
+    [out, in] codes), and every row of x is quantized on a scale of its own to integers of at most
+    int8_kernel.wide_activation_limit(in) (16383 for the model's sizes): a 256 times finer grid
+    than w8a8's, for a product (the output head) whose int8 activations cost perplexity.
+
+    Exact for the reason w8a8 is: the integer sums are exact (the C kernel's two byte sums, or
+    float64 products of integers below 2^53 here), then the w8a8 epilogue element by element; a
+    row's result is a function of that row alone, and both paths give the same bits
+    (tests/runners/test_w8a16_head.py)."""
+
+    weight: torch.Tensor  # packed codes (with compensation) or [out, in] int8 codes
+    scales: torch.Tensor  # [out] float32
+    bias: torch.Tensor | None  # [out], in the activations' dtype
+    shape: tuple[int, int]  # (out, in)
+    compensation: torch.Tensor | None = None  # [out] int32: 128 x each channel's code sum (own kernel)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] in x's dtype
+        kernel = int8_kernel.load() if self.compensation is not None else None  # packed only where it ran
+        if wide_row_quantization is None and kernel is not None and _own_kernel_takes_x(x, self.bias):
+            return kernel.wide_quantized_product(x, self.weight, self.compensation, self.scales, self.bias)
+        codes, row_scales = (wide_row_quantization or wide_quantize_rows_torch)(x)
+        if kernel is not None and _own_kernel_takes(codes, row_scales, self.bias, x.dtype):
+            return kernel.wide_product(
+                codes, row_scales, self.weight, self.compensation, self.scales, self.bias, x.dtype
+            )
+        return epilogue_torch(self.reference_sums(codes), row_scales, self.bias, x.dtype)
+
+    def codes(self) -> torch.Tensor:  # [out, in] int8
+        if self.compensation is None:
+            return self.weight
+        return int8_kernel.Int8Kernel.unpack(self.weight, self.shape[0])
+
+    def reference_sums(self, codes: torch.Tensor) -> torch.Tensor:  # int32 [n, in] -> [n, out] float32
+        """Each row's exact integer sums times its columns' weight scales, in torch: float64
+        products and sums of integers, every partial sum below 2^31 < 2^53, so exact in any
+        order; to float32 (to nearest even, as the C kernel's int32 conversion), then one float32
+        product with the weight scale. In chunks of output channels (a float64 copy of the head's
+        codes would be 8 bytes a weight)."""
+        weight = self.codes()
+        activations = codes.double()
+        chunks = [activations @ chunk.double().T for chunk in weight.split(4096)]
+        return torch.cat(chunks, dim=1).float() * self.scales
+
+    @property
+    def is_copy(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for t in (self.scales, self.compensation, self.bias) if t is not None]
+        return self.weight.numel() + sum(t.numel() * t.element_size() for t in tensors)
+
+
+# None: rows are quantized as wide_quantize_rows_torch does (and the one-call C product inside).
+# Another set here (a test's negative control) makes W8A16Projection call it.
+wide_row_quantization: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def wide_quantize_rows_torch(
+    x: torch.Tensor,  # [n, in]
+) -> tuple[torch.Tensor, torch.Tensor]:  # int32 codes [n, in], float32 scales [n, 1]
+    """w8a16's row quantization in torch's operations (the C kernel's bits): each row on its own
+    symmetric scale, its largest magnitude mapping to int8_kernel.wide_activation_limit(in)."""
+    limit = int8_kernel.wide_activation_limit(x.shape[1])
+    x = x.float()
+    scales = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30).div_(float(limit))
+    codes = torch.round(x / scales).nan_to_num_(0.0).clamp_(-limit, limit).to(torch.int32)  # NaN rows: NaN results
+    return codes, scales
+
+
+def w8a16_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> W8A16Projection:  # weight [out, in]
+    """The w8a16 product of a float weight: int8 codes per output channel (8 bits wherever it
+    runs: its sums never pass through oneDNN's 16-bit pairs), packed for this package's kernel
+    where it runs with VNNI, else kept plain for the torch path."""
+    weight = weight.detach().float()
+    limit = int8_kernel.WEIGHT_LIMIT
+    scales = weight.abs().amax(dim=1).clamp_min(1e-30) / limit  # [out] float32
+    codes = torch.round(weight / scales[:, None]).clamp_(-limit, limit).to(torch.int8)
+    bias = bias.detach().clone() if bias is not None else None
+    shape = (weight.shape[0], weight.shape[1])
+    kernel = own_kernel()
+    if kernel is not None and kernel.packs(shape):
+        compensation = codes.sum(dim=1, dtype=torch.int32) * ACTIVATION_ZERO_POINT
+        return W8A16Projection(kernel.pack(codes), scales, bias, shape, compensation)
+    return W8A16Projection(codes, scales, bias, shape)
+
+
 def int8_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Projection:  # weight [out, in]
     """The w8a8 product of a float weight: int8 codes per output channel, packed for this
     package's kernel where it runs (own_kernel), else prepacked for oneDNN."""

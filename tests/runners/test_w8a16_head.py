@@ -1,0 +1,259 @@
+"""w8a16 (projection.W8A16Projection; Int8Recipe.w8a16): int8 weights, every activation row on its
+own scale in ~15-bit integers, exact integer sums (the C kernel's two byte sums a weight quad, or
+torch's float64 products of integers) and w8a8's epilogue. The C kernel gives the torch
+reference's bits; a verified token's logits are those of decoding it alone (negative control: one
+activation scale for the batch); speculation equals target-only decoding; the response cache's
+fingerprint names the head's kind; without the kernel the same bits come from torch.
+"""
+
+import logging
+
+import pytest
+import torch
+
+import helpers
+from helpers import assert_drafted_and_accepted, head64_llama
+from specdecode import SpeculativeEngine
+from specdecode.cache.response_cache import runner_variant
+from specdecode.drafters import PromptLookupDrafter
+from specdecode.runners import int8_kernel, projection
+from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
+from specdecode.runners.projection import W8A16Projection, w8a16_projection
+
+pytestmark = pytest.mark.skipif(not projection.int8_supported(), reason="no oneDNN int8 products in this torch")
+
+HEAD_W8A16 = Int8Recipe(keep_float=(), w8a16=("head",))  # the layers w8a8 and smoothed, the head w8a16
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+needs_kernel = pytest.mark.skipif(projection.own_kernel() is None, reason="no AVX512-VNNI kernel or no gcc here")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+def tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def awkward_rows(n: int, inputs: int, dtype: torch.dtype, seed: int) -> torch.Tensor:  # [n, inputs]
+    """Rows of one scale each, from 1e-38 (float32's denormals) to 1e30, a row of zeros, a row of
+    one value (every code the largest), and a row whose codes land on exact halves."""
+    generator = torch.Generator().manual_seed(seed)
+    magnitudes = 10.0 ** torch.randint(-38, 31, (n, 1), generator=generator).float()
+    x = torch.randn(n, inputs, generator=generator) * magnitudes
+    x[0] = 0.0
+    if n > 2 and inputs >= 4:
+        x[1] = -3.0
+        limit = int8_kernel.wide_activation_limit(inputs)
+        x[2] = 0.0
+        x[2, :4] = torch.tensor([float(limit), 0.5, 1.5, -2.5])  # in float32 scale 1: codes at exact halves
+    return x.to(dtype)
+
+
+def reference(product: W8A16Projection, x: torch.Tensor) -> torch.Tensor:
+    """The torch path's arithmetic: the quantization, exact sums, w8a8's epilogue."""
+    codes, row_scales = projection.wide_quantize_rows_torch(x)
+    return projection.epilogue_torch(product.reference_sums(codes), row_scales, product.bias, x.dtype)
+
+
+def test_the_activation_limit_keeps_int32_sums_exact():
+    for k in (4, 576, 1536, 2**15, 2**16 - 4):
+        limit = int8_kernel.wide_activation_limit(k)
+        assert 1 <= limit <= 16383 and limit * 127 * k < 2**31
+    assert int8_kernel.wide_activation_limit(576) == 16383  # the default model's hidden size
+
+
+def test_the_torch_path_is_exact_and_close_to_the_float_product():
+    weight = torch.randn(300, 576, generator=torch.Generator().manual_seed(0))
+    product = w8a16_projection(weight, None)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(1))
+    codes, row_scales = projection.wide_quantize_rows_torch(x)
+    exact = (codes.long() @ product.codes().long().T).float() * product.scales  # int64: exact
+    assert torch.equal(product.reference_sums(codes), exact)
+    dequantized = (codes.float() * row_scales) @ (product.codes().float() * product.scales[:, None]).T
+    full = x @ weight.T
+    assert (product(x) - full).norm() / full.norm() < 0.02  # the weights' int8 error
+    assert (product(x) - dequantized).norm() / full.norm() < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_c_kernel_gives_the_torch_reference_s_bits(dtype):
+    """Shapes with a last group of 40 columns and more inputs than the limit's 16383 allows at
+    full range; 1 to 40 rows (tiles of 3 rows, threads by columns); zeros, huge and denormal
+    rows; biases; all-positive rows and weights, whose sums pass 2^24 (the float conversion rounds)."""
+    kernel = int8_kernel.load()
+    generator = torch.Generator().manual_seed(5)
+    for out, inputs in ((1000, 576), (576, 576), (64, 1536), (40, 5000), (130, 64)):
+        weight = torch.randn(out, inputs, generator=generator)
+        for bias in (None, torch.randn(out, generator=generator).to(dtype)):
+            product = w8a16_projection(weight, bias)
+            assert product.compensation is not None  # the packed layout: the C kernel runs
+            for n in (1, 2, 3, 4, 5, 7, 16, 40):
+                x = awkward_rows(n, inputs, dtype, seed=n + out)
+                expected = reference(product, x)
+                assert same_bits(product(x), expected), (out, inputs, n)
+                codes, row_scales = kernel.wide_quantize_rows(x)  # the C quantization alone
+                torch_codes, torch_scales = projection.wide_quantize_rows_torch(x)
+                assert torch.equal(codes, torch_codes) and same_bits(row_scales, torch_scales), (out, inputs, n)
+                two_calls = kernel.wide_product(codes, row_scales, product.weight, product.compensation,
+                                                product.scales, bias, dtype)  # fmt: skip
+                assert same_bits(two_calls, expected), (out, inputs, n)
+    weight = torch.rand(64, 1536, generator=generator) * 0.1 + 1.0
+    positive = (torch.rand(3, 1536, generator=generator) * 0.1 + 1.0).to(dtype)
+    product = w8a16_projection(weight, None)
+    assert (product.reference_sums(projection.wide_quantize_rows_torch(positive)[0]) / product.scales).min() > 2**24
+    assert same_bits(product(positive), reference(product, positive))
+
+
+def test_the_bit_comparison_catches_one_ulp():
+    """Negative control of the comparisons above."""
+    for dtype in BITS:
+        y = torch.randn(4, 8, generator=torch.Generator().manual_seed(6)).to(dtype)
+        moved = y.clone()
+        moved.view(BITS[dtype])[2, 5] -= 1
+        assert same_bits(y, y.clone()) and not same_bits(y, moved)
+        assert 0 < (moved - y).abs().max() <= y[2, 5].abs() * 2**-7
+
+
+@needs_kernel
+def test_one_thread_and_two_give_the_same_bits():
+    product = w8a16_projection(torch.randn(3072, 576, generator=torch.Generator().manual_seed(7)), None)
+    x = awkward_rows(20, 576, torch.bfloat16, seed=8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = product(x)
+        torch.set_num_threads(1)
+        assert same_bits(product(x), two)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def runner(recipe: Int8Recipe = HEAD_W8A16, dtype=torch.bfloat16, **config) -> FastLlamaRunner:
+    r = FastLlamaRunner(head64_llama(0, dtype, **config), "w8a8", recipe)
+    assert isinstance(r.lm_head, W8A16Projection) and r.verifies_trees
+    return r
+
+
+def verified_differs_from_alone(r: FastLlamaRunner, n: int) -> int:
+    return helpers.verified_differs_from_alone(r, n, starts=range(10, 170, 40), length=200)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n", [1, 8, 16])
+def test_a_verified_token_gets_the_logits_of_decoding_it_alone(n, dtype):
+    assert verified_differs_from_alone(runner(dtype=dtype), n) == 0
+
+
+def per_batch_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wrong quantization: one scale for every row of the product."""
+    limit = int8_kernel.wide_activation_limit(x.shape[1])
+    x = x.float()
+    scale = x.abs().amax().clamp_min(1e-30) / limit
+    return torch.round(x / scale).to(torch.int32), scale.expand(x.shape[0], 1).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_activation_scale_for_the_batch_would_tie_a_token_to_the_others(monkeypatch, dtype):
+    """Negative control of the test above, in the head alone (the layers keep their C call)."""
+    monkeypatch.setattr(projection, "wide_row_quantization", per_batch_scale)
+    assert verified_differs_from_alone(runner(dtype=dtype), 8) > 0
+
+
+def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
+    r = runner()
+    ids = tokens(60)
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4, 5])
+    nodes = tokens(len(parents), seed=2)
+    r.forward(ids, 1)
+    tree = r.forward(nodes, len(nodes), parents)
+    for i in range(len(nodes)):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, node)
+            node = int(parents[node])
+        r.crop(len(ids))
+        alone = torch.cat([r.forward(nodes[j : j + 1], 1) for j in path])[-1:]
+        assert torch.equal(tree[i : i + 1], alone), i
+
+
+def test_speculation_equals_target_only_decoding_of_the_same_engine():
+    r = runner(tie_word_embeddings=True)
+    engine = SpeculativeEngine(r, drafter=PromptLookupDrafter(), num_speculative_tokens=6)  # k pinned
+    prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
+    target_only = [x.token_ids for x in engine.generate(prompts, max_new_tokens=60, speculative=False)]
+    speculative = engine.generate(prompts, max_new_tokens=60)
+    assert_drafted_and_accepted(speculative)
+    assert [x.token_ids for x in speculative] == target_only
+    batched = engine.generate(prompts, max_new_tokens=60, max_batch_size=3)
+    assert_drafted_and_accepted(batched)
+    assert [x.token_ids for x in batched] == target_only
+
+
+def test_the_head_is_int8_and_close_to_the_float_head():
+    """One int8 copy of the head (a tied embedding stays for lookups, no float copy beside it),
+    and logits close to the bf16 head's, not equal."""
+    model = head64_llama(0, torch.bfloat16, tie_word_embeddings=True)
+    float_head = FastLlamaRunner(model, "w8a8", Int8Recipe(keep_float=("head",)))
+    w8a16 = FastLlamaRunner(model, "w8a8", HEAD_W8A16)
+    assert w8a16.lm_head.weight.dtype == torch.int8
+    assert w8a16.lm_head.nbytes < 0.55 * float_head.lm_head.nbytes
+    ids = tokens(30)
+    a, b = float_head.forward(ids, 30), w8a16.forward(ids, 30)
+    assert not torch.equal(a, b)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    w8a16.release_model_weights()
+    assert w8a16.embed.device.type == "cpu"  # the tied embedding the lookups read
+    w8a16.reset()
+    assert torch.equal(w8a16.forward(ids, 30), b)
+
+
+def test_recipes_name_w8a16_products_and_the_fingerprint_names_the_head():
+    assert HEAD_W8A16.mode("head") == "w8a16" and HEAD_W8A16.mode("down") == "w8a8"
+    assert Int8Recipe(keep_float=("head",)).mode("head") == "float"
+    with pytest.raises(ValueError, match="both kept in float and w8a16"):
+        Int8Recipe(keep_float=("head",), w8a16=("head",))
+    with pytest.raises(ValueError, match="unknown products"):
+        Int8Recipe(keep_float=(), w8a16=("lm",))
+    model = head64_llama(0, torch.bfloat16)
+    float_head = FastLlamaRunner(model, "w8a8", Int8Recipe(keep_float=("head",)))
+    int8_head = FastLlamaRunner(model, "w8a8", Int8Recipe(keep_float=()))
+    w8a16 = FastLlamaRunner(model, "w8a8", HEAD_W8A16)
+    variants = [runner_variant(r) for r in (float_head, int8_head, w8a16)]
+    assert len({repr(v) for v in variants}) == 3
+
+
+def test_without_the_kernel_the_head_runs_torch_s_operations_with_the_same_bits(monkeypatch, caplog):
+    ids, verified = tokens(40), tokens(8, seed=5)
+    with_kernel = runner()
+    with_kernel._int8_layers = None  # the layers on torch's path on both sides (their C call is its own)
+    expected = [with_kernel.forward(ids, 3), with_kernel.forward(verified, 8)]
+
+    def no_compiler(key: str):
+        raise RuntimeError("no gcc on PATH")
+
+    monkeypatch.setattr(int8_kernel, "_loaded", {})
+    monkeypatch.setattr(int8_kernel, "_ready", [])
+    monkeypatch.setattr(int8_kernel, "_build", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="specdecode.runners.int8_kernel"):
+        without = runner()
+    assert without.lm_head.compensation is None  # plain codes: the torch path
+    assert same_bits(without.forward(ids, 3), expected[0]) and same_bits(without.forward(verified, 8), expected[1])
+    assert verified_differs_from_alone(without, 8) == 0
+    assert runner_variant(without) == runner_variant(with_kernel)
+
+
+def test_the_default_head_is_w8a16_where_the_kernel_runs_else_the_model_s_dtype(monkeypatch):
+    from specdecode.loading import precision_of
+
+    model = head64_llama(0, torch.bfloat16)
+    default = FastLlamaRunner(model, "w8a8")
+    if projection.own_kernel() is not None:
+        assert isinstance(default.lm_head, W8A16Projection) and default.lm_head.compensation is not None
+        assert "16-bit activations in head" in precision_of(model, default)
+    monkeypatch.setattr(projection, "own_kernel", lambda: None)  # a CPU without AVX512-VNNI
+    assert Int8Recipe().mode("head") == "float" and Int8Recipe().mode("down") == "w8a8"
+    elsewhere = FastLlamaRunner(model, "w8a8")
+    assert not isinstance(elsewhere.lm_head, W8A16Projection | projection.Int8Projection)
+    assert "16-bit" not in precision_of(model, elsewhere)
