@@ -13,7 +13,9 @@ AVX512-VNNI). For each:
   cached tokens, the candidates interleaved in one process, alternated every repeat;
 - resident memory added by loading the model, building the runner and freeing the float
   weights it replaced, in a fresh process per candidate (--memory).
---paths adds the default recipe on the products' slower paths (the same bits, other costs): torch's
+--paths adds the default recipe on slower paths: its decoder layers in torch's operations around
+the C products (other bits: the C layers' norms and silu are not torch's), and, with the same
+bits as that, on the products' slower paths: torch's
 operations around oneDNN's int8 product (quantize, product, scale, round, bias: about 11
 operations a product), and the C quantization and epilogue around oneDNN's product (3 calls);
 the default candidates run this package's int8 kernel where the CPU has AVX512-VNNI (1 call
@@ -68,13 +70,16 @@ SIZES = (1, 8, 16)
 
 @dataclasses.dataclass(frozen=True)
 class OnPath:
-    """The default recipe on one of the products' paths: "torch" (torch's operations around
-    oneDNN's product) or "onednn" (the C quantization and epilogue around it)."""
+    """The default recipe on one of the slower paths: "layers" (this package's product kernel, the
+    rest of each layer in torch's operations, as before runners/csrc/int8_layer.c), "torch"
+    (torch's operations around oneDNN's product) or "onednn" (the C quantization and epilogue
+    around it)."""
 
     path: str
 
 
 PATHS = {
+    "w8a8 default, layers in torch operations (C products only)": OnPath("layers"),
     "w8a8 default, torch operations around oneDNN (before)": OnPath("torch"),
     "w8a8 default, C quantization + epilogue around oneDNN": OnPath("onednn"),
 }
@@ -113,6 +118,10 @@ class PathRunner:
 
 def runner_of(model, recipe: Int8Recipe | OnPath | None):
     int8_kernel.load()  # built before a path switches it off
+    if isinstance(recipe, OnPath) and recipe.path == "layers":
+        runner = FastLlamaRunner(model, "w8a8", Int8Recipe())
+        runner._int8_layers = None  # as where int8_layer.load() gives None
+        return runner
     if isinstance(recipe, OnPath):
         return PathRunner(model, recipe.path)
     return FastLlamaRunner(model) if recipe is None else FastLlamaRunner(model, "w8a8", recipe)
