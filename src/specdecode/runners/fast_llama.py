@@ -86,8 +86,9 @@ class Int8Recipe:
     kernel runs (AVX512-VNNI), the output head in w8a16 and every layer product in w8a8: the head
     is the product whose int8 activations cost the most perplexity, and 16-bit ones cost about
     what the bfloat16 head does for fewer bytes read. Elsewhere the w8a16 head would run on
-    torch's exact float64 path, slower than bfloat16's, so the head stays in the model's dtype. One of them given, the other is empty. The layers are smoothed but o (whose
-    input comes from attention, with no weight before it to fold into). benchmarks/int8.py
+    torch's exact float64 path, slower than bfloat16's, so the head stays in the model's dtype.
+    One of them given, the other is empty. The layers are smoothed but o (whose input comes from
+    attention, with no weight before it to fold into). benchmarks/int8.py
     measures each choice's perplexity and speed (docs/quantization.md)."""
 
     keep_float: tuple[str, ...] | None = None
