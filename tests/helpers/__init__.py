@@ -1,7 +1,8 @@
 """What the test files share, by kind: `models` (tiny models, tokenizer, greedy references),
 `stats` (exact sampling laws, the G-test), `services` (servers and Redis/Prometheus on
-loopback). Test files import from `helpers`; the names below are all there is."""
+loopback), `bits` (bit-for-bit comparisons of kernels and the inputs that try them). Test files import from `helpers`; the names below are all there is."""
 
+from helpers.bits import BITS, awkward_rows, same_bits, same_bits_on_one_thread_and_two
 from helpers.models import (
     GREEDY_PROMPTS,
     TINY_SHAPE,
@@ -49,6 +50,10 @@ from helpers.stats import (
 )
 
 __all__ = [
+    "BITS",
+    "awkward_rows",
+    "same_bits",
+    "same_bits_on_one_thread_and_two",
     "ALPHA",
     "CrashAt",
     "DIST_VOCAB",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import helpers
-from helpers import assert_drafted_and_accepted, head64_llama
+from helpers import assert_drafted_and_accepted, awkward_rows, head64_llama, same_bits, same_bits_on_one_thread_and_two
 from specdecode import SpeculativeEngine
 from specdecode.cache.response_cache import runner_variant
 from specdecode.drafters import PromptLookupDrafter
@@ -23,31 +23,16 @@ from specdecode.runners.projection import W8A16Projection, w8a16_projection
 pytestmark = pytest.mark.skipif(not projection.int8_supported(), reason="no oneDNN int8 products in this torch")
 
 HEAD_W8A16 = Int8Recipe(keep_float=(), w8a16=("head",))  # the layers w8a8 and smoothed, the head w8a16
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 needs_kernel = pytest.mark.skipif(projection.own_kernel() is None, reason="no AVX512-VNNI kernel or no gcc here")
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
 
 
 def tokens(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def awkward_rows(n: int, inputs: int, dtype: torch.dtype, seed: int) -> torch.Tensor:  # [n, inputs]
-    """Rows of one scale each, from 1e-38 (float32's denormals) to 1e30, a row of zeros, a row of
-    one value (every code the largest), and a row whose codes land on exact halves."""
-    generator = torch.Generator().manual_seed(seed)
-    magnitudes = 10.0 ** torch.randint(-38, 31, (n, 1), generator=generator).float()
-    x = torch.randn(n, inputs, generator=generator) * magnitudes
-    x[0] = 0.0
-    if n > 2 and inputs >= 4:
-        x[1] = -3.0
-        limit = int8_kernel.wide_activation_limit(inputs)
-        x[2] = 0.0
-        x[2, :4] = torch.tensor([float(limit), 0.5, 1.5, -2.5])  # in float32 scale 1: codes at exact halves
-    return x.to(dtype)
+def wide_rows(n: int, inputs: int, dtype: torch.dtype, seed: int) -> torch.Tensor:  # [n, inputs]
+    """awkward_rows with w8a16's largest code for this many inputs."""
+    return awkward_rows(n, inputs, dtype, seed, largest=float(int8_kernel.wide_activation_limit(inputs)))
 
 
 def reference(product: W8A16Projection, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +75,7 @@ def test_the_c_kernel_gives_the_torch_reference_s_bits(dtype):
             product = w8a16_projection(weight, bias)
             assert product.compensation is not None  # the packed layout: the C kernel runs
             for n in (1, 2, 3, 4, 5, 7, 16, 40):
-                x = awkward_rows(n, inputs, dtype, seed=n + out)
+                x = wide_rows(n, inputs, dtype, seed=n + out)
                 expected = reference(product, x)
                 assert same_bits(product(x), expected), (out, inputs, n)
                 codes, row_scales = kernel.wide_quantize_rows(x)  # the C quantization alone
@@ -106,28 +91,10 @@ def test_the_c_kernel_gives_the_torch_reference_s_bits(dtype):
     assert same_bits(product(positive), reference(product, positive))
 
 
-def test_the_bit_comparison_catches_one_ulp():
-    """Negative control of the comparisons above."""
-    for dtype in BITS:
-        y = torch.randn(4, 8, generator=torch.Generator().manual_seed(6)).to(dtype)
-        moved = y.clone()
-        moved.view(BITS[dtype])[2, 5] -= 1
-        assert same_bits(y, y.clone()) and not same_bits(y, moved)
-        assert 0 < (moved - y).abs().max() <= y[2, 5].abs() * 2**-7
-
-
 @needs_kernel
 def test_one_thread_and_two_give_the_same_bits():
     product = w8a16_projection(torch.randn(3072, 576, generator=torch.Generator().manual_seed(7)), None)
-    x = awkward_rows(20, 576, torch.bfloat16, seed=8)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = product(x)
-        torch.set_num_threads(1)
-        assert same_bits(product(x), two)
-    finally:
-        torch.set_num_threads(threads)
+    assert same_bits_on_one_thread_and_two(product, wide_rows(20, 576, torch.bfloat16, seed=8))
 
 
 def runner(recipe: Int8Recipe = HEAD_W8A16, dtype=torch.bfloat16, **config) -> FastLlamaRunner:

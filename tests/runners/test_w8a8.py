@@ -18,7 +18,15 @@ import pytest
 import torch
 
 import helpers
-from helpers import assert_drafted_and_accepted, head64_llama, tiny_tokenizer
+from helpers import (
+    BITS,
+    assert_drafted_and_accepted,
+    awkward_rows,
+    head64_llama,
+    same_bits,
+    same_bits_on_one_thread_and_two,
+    tiny_tokenizer,
+)
 from specdecode import InvalidArgumentError, SpeculativeEngine
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.runners import int8_kernel, native, projection
@@ -249,25 +257,6 @@ def test_folded_weights_keep_no_autograd_graph():
 
 kernel = int8_kernel.load()
 needs_own_product = pytest.mark.skipif(projection.own_kernel() is None, reason="no AVX512-VNNI: oneDNN's products run")
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (torch.equal takes -0.0 for 0.0)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
-
-
-def awkward_rows(n: int, inputs: int, dtype: torch.dtype, seed: int) -> torch.Tensor:  # [n, inputs]
-    """Rows of one scale each, from 1e-38 (float32's denormals) to 1e30, a row of zeros, a row
-    of one value (the largest code exactly), and halves that round to even."""
-    generator = torch.Generator().manual_seed(seed)
-    magnitudes = 10.0 ** torch.randint(-38, 31, (n, 1), generator=generator).float()
-    x = torch.randn(n, inputs, generator=generator) * magnitudes
-    x[0] = 0.0
-    if n > 2 and inputs >= 4:
-        x[1] = -3.0
-        x[2, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: codes at exact halves
-    return x.to(dtype)
 
 
 @pytest.fixture(scope="module", params=["as built", "without AVX-512"])
@@ -317,7 +306,8 @@ def test_the_c_epilogue_gives_the_torch_operations_bits(c_kernel, dtype):
 
 
 def test_the_bit_comparison_catches_one_ulp():
-    """Negative control of the comparisons above: one element one ulp away is another result."""
+    """Negative control of same_bits (helpers.bits), which every bit-for-bit comparison of the
+    kernels uses: one element one ulp away is another result."""
     for dtype in BITS:
         y = torch.randn(4, 8, generator=torch.Generator().manual_seed(6)).to(dtype)
         moved = y.clone()
@@ -368,15 +358,7 @@ def test_the_own_int8_kernel_gives_onednn_s_bits(dtype):
 def test_the_own_int8_kernel_gives_the_same_bits_on_one_thread_and_on_two():
     """Threads split the product by output columns and the quantization by rows: no sum is split."""
     product = int8_projection(torch.randn(3072, 576, generator=torch.Generator().manual_seed(7)), None)
-    x = awkward_rows(20, 576, torch.bfloat16, seed=8)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = product(x)
-        torch.set_num_threads(1)
-        assert same_bits(product(x), two)
-    finally:
-        torch.set_num_threads(threads)
+    assert same_bits_on_one_thread_and_two(product, awkward_rows(20, 576, torch.bfloat16, seed=8))
 
 
 def test_the_kernel_is_chosen_from_the_cpu_flags(monkeypatch):
