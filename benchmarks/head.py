@@ -8,15 +8,22 @@ output is checked against target-only decoding of the same engine (same precisio
 - target-only;
 - auto, no head: the default drafter with `--no-shipped-head` (recycling first on the fast runner);
 - auto + head: the default drafter with the head (prompt lookup, draft store, head, recycling);
-- head: the head alone (trees under greedy decoding on the fast runner), adaptive k.
+- head: the head alone (trees under greedy decoding on the fast runner), adaptive k;
+- with --linear-head, also "auto + head, nn.Linear products": the head drafting through its
+  trained module's own float32 nn.Linear products instead of drafters.head.for_drafting's.
+
+--products times the head's forward and its logits instead (no prompts): the trained module
+against for_drafting's copy, interleaved, medians.
 
     .venv/bin/python benchmarks/head.py --head DIR [--prompts ../shared/specbench/question.jsonl]
-        [--prompts-per-category 2] [--max-new-tokens 64] [--repeats 1] [-k 8] [--out FILE]
+        [--prompts-per-category 2] [--max-new-tokens 64] [--repeats 1] [-k 8] [--linear-head] [--out FILE]
+    .venv/bin/python benchmarks/head.py --head DIR --products [--out FILE]
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -24,28 +31,69 @@ from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.environment import cpu_name
 from specdecode.bench.prompts import load_prompts, select_prompts
 from specdecode.bench.scripts import script_parser, write_table
+from specdecode.drafters.auto import candidates_of
 from specdecode.drafters.factory import DrafterOptions, make_drafter
+from specdecode.drafters.head import HeadDrafter, drafting_kind, for_drafting, load_head
 
 NO_CACHE = CacheOptions(response_cache=False, draft_store=False)
 
 
-def systems(base: SpeculativeEngine, head: str, k: int) -> dict[str, SpeculativeEngine]:
+def systems(base: SpeculativeEngine, head: str, k: int, linear_head: bool) -> dict[str, SpeculativeEngine]:
     def drafter(name: str, draft: str | None, shipped_head: bool = True):
         options = DrafterOptions(shipped_head=shipped_head)
         return make_drafter(name, draft, base.target_runner, base.tokenizer, None, "auto", options)
 
-    return {
+    engines = {
         "target-only": base.with_drafter(None, 0),
         "auto, no head": base.with_drafter(drafter("auto", None, shipped_head=False), k, adaptive=True),
         "auto + head": base.with_drafter(drafter("auto", head), k, adaptive=True),
         "head": base.with_drafter(drafter("head", head), k, adaptive=True),
     }
+    if linear_head:
+        slow = drafter("auto", head)
+        for candidate in candidates_of(slow):
+            if isinstance(candidate, HeadDrafter):
+                candidate.fast = candidate.head  # forks share it
+        engines["auto + head, nn.Linear products"] = base.with_drafter(slow, k, adaptive=True)
+    return engines
+
+
+def products(args) -> str:
+    """Milliseconds of the head's forward (rows after 200 cached ones) and of its logits."""
+    base = SpeculativeEngine.from_pretrained(device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none")
+    trained = load_head(args.head, base.target_runner.model)
+    heads = {"nn.Linear (float32)": trained, f"for_drafting ({drafting_kind()})": for_drafting(trained)}
+    c = trained.config
+    lines = [
+        f"Head forward and logits, ms (medians of 100, interleaved), {torch.get_num_threads()} threads, {cpu_name()}; "
+        "200 cached rows.",
+        "",
+        "| rows | " + " | ".join(f"{name}: forward | logits" for name in heads) + " |",
+        "|---" * (2 * len(heads) + 1) + "|",
+    ]
+    with torch.inference_mode():
+        for rows in (1, 4, 16):
+            features, tokens = torch.randn(rows, c.hidden_size), torch.randint(0, c.target_vocab_size, (rows,))
+            positions, mask = torch.arange(200, 200 + rows), torch.ones(rows, 200 + rows, dtype=torch.bool)
+            past = (torch.randn(c.num_kv_heads, 200, c.head_dim), torch.randn(c.num_kv_heads, 200, c.head_dim))
+            times: dict[str, list[list[float]]] = {name: [[], []] for name in heads}
+            for _ in range(110):
+                for name, head in heads.items():
+                    start = time.perf_counter()
+                    g = head(features, tokens, positions, past, mask)[0]
+                    middle = time.perf_counter()
+                    head.logits(g)
+                    times[name][0].append(middle - start)
+                    times[name][1].append(time.perf_counter() - middle)
+            cells = [f"{statistics.median(t[10:]) * 1e3:.3f}" for pair in times.values() for t in pair]
+            lines.append(f"| {rows} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def run(args) -> str:
     torch.manual_seed(0)
     base = SpeculativeEngine.from_pretrained(device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none")
-    engines = systems(base, args.head, args.k)
+    engines = systems(base, args.head, args.k, args.linear_head)
     prompts = select_prompts(load_prompts(args.prompts), per_category=args.prompts_per_category)
     for engine in engines.values():  # warm the shapes each system runs
         engine.generate(["Say hello."], max_new_tokens=16, chat=True)
@@ -100,8 +148,10 @@ def main() -> None:
     parser = script_parser(__doc__, max_new_tokens=64, k=8, repeats=1, prompts_per_category=2, dtype="auto")
     parser.add_argument("--head", required=True, help="the head's folder (specdecode train-draft --output)")
     parser.add_argument("--prompts", default=None, help="JSONL prompts [default: the shipped Spec-Bench subset]")
+    parser.add_argument("--linear-head", action="store_true", help="also auto + head on nn.Linear products")
+    parser.add_argument("--products", action="store_true", help="time the head's forward instead")
     args = parser.parse_args()
-    write_table(run(args), args.out)
+    write_table(products(args) if args.products else run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ from specdecode.drafters.head import (
     HEAD_CONFIG,
     HEAD_WEIGHTS,
     HeadDrafter,
+    drafting_kind,
+    for_drafting,
     head_config,
     is_head_folder,
     load_head,
@@ -102,6 +104,30 @@ def tiny():
     head = untrained_head(target, vocabulary, layers)
     train(head, examples, QUICK)
     return target, engine, head, untrained_head(target, vocabulary, layers), examples
+
+
+def test_the_drafting_copy_leaves_the_trained_head_alone_and_computes_its_logits(tiny):
+    """for_drafting (what HeadDrafter drafts with): the trained module keeps its nn.Linear weights
+    (training and saving use it); the copy's products (w8a16 where the kernel runs, else float32
+    on oneDNN) give the trained head's logits within int8 weights' error, the same bits each call."""
+    _, _, head, _, _ = tiny
+    before = {name: value.clone() for name, value in head.state_dict().items()}
+    fast = for_drafting(head)
+    assert isinstance(head.layer.gate, torch.nn.Linear) and head.rows_product is None
+    assert all(torch.equal(before[name], value) for name, value in head.state_dict().items())
+    assert not isinstance(fast.layer.gate, torch.nn.Linear) and fast.rows_product is not None
+    c = head.config
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(5, c.hidden_size, generator=generator)
+    tokens = torch.randint(0, c.target_vocab_size, (5,), generator=generator)
+    with torch.inference_mode():
+        exact = head.logits(head(features, tokens, torch.arange(5), None, None)[0])
+        drafted = [fast.logits(fast(features, tokens, torch.arange(5), None, None)[0]) for _ in range(2)]
+    assert torch.equal(drafted[0], drafted[1])
+    error = ((drafted[0] - exact).norm() / exact.norm()).item()
+    limit = 0.05 if drafting_kind() == "w8a16" else 1e-4
+    assert error < limit, (drafting_kind(), error)
+    assert error > 0 or drafting_kind() == "float32", "a w8a16 copy that computes the float32 logits is not w8a16"
 
 
 def test_a_trained_head_is_accepted_more_often_than_an_untrained_one(tiny):
