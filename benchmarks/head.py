@@ -13,11 +13,14 @@ output is checked against target-only decoding of the same engine (same precisio
   trained module's own float32 nn.Linear products instead of drafters.head.for_drafting's.
 
 --products times the head's forward and its logits instead (no prompts): the trained module
-against for_drafting's copy, interleaved, medians.
+against for_drafting's copy, interleaved, medians. --draft-cost measures what issue 25 bounds:
+seconds the head spends drafting per drafted token (k = 4 pinned, chains and trees) against a
+target-only decoding step, on DRAFT_COST_PROMPTS (written for this script, not Spec-Bench).
 
     .venv/bin/python benchmarks/head.py --head DIR [--prompts ../shared/specbench/question.jsonl]
         [--prompts-per-category 2] [--max-new-tokens 64] [--repeats 1] [-k 8] [--linear-head] [--out FILE]
     .venv/bin/python benchmarks/head.py --head DIR --products [--out FILE]
+    .venv/bin/python benchmarks/head.py --head DIR --draft-cost [--dtype auto] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ from specdecode.drafters.factory import DrafterOptions, make_drafter
 from specdecode.drafters.head import HeadDrafter, drafting_kind, for_drafting, load_head
 
 NO_CACHE = CacheOptions(response_cache=False, draft_store=False)
+DRAFT_COST_PROMPTS = (
+    "Write a poem about autumn leaves falling in a quiet park.",
+    "What should I pack for a week-long camping trip?",
+    "Explain how a bicycle stays upright when it moves.",
+    "Why do cats purr, and what does it mean?",
+)
 
 
 def systems(base: SpeculativeEngine, head: str, k: int, linear_head: bool) -> dict[str, SpeculativeEngine]:
@@ -87,6 +96,52 @@ def products(args) -> str:
                     times[name][1].append(time.perf_counter() - middle)
             cells = [f"{statistics.median(t[10:]) * 1e3:.3f}" for pair in times.values() for t in pair]
             lines.append(f"| {rows} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+class _TimedHead(HeadDrafter):
+    """A HeadDrafter that adds up its proposals' seconds and drafted tokens."""
+
+    spent = [0.0, 0]  # seconds, tokens: shared by forks
+
+    def propose(self, *args, **kwargs):
+        start = time.perf_counter()
+        draft = super().propose(*args, **kwargs)
+        self.spent[0] += time.perf_counter() - start
+        self.spent[1] += len(draft)
+        return draft
+
+    def fork(self) -> _TimedHead:
+        return _TimedHead(self.head, self.drafts_trees, self.branching, self.fast)
+
+
+def draft_cost(args) -> str:
+    base = SpeculativeEngine.from_pretrained(device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none")
+    head = load_head(args.head, base.target_runner.model)
+    target_only = base.with_drafter(None, 0)
+    target_only.generate(DRAFT_COST_PROMPTS[0], max_new_tokens=16, chat=True)  # warm the shapes
+    per_token = []
+    for prompt in DRAFT_COST_PROMPTS:
+        [result] = target_only.generate(prompt, max_new_tokens=args.max_new_tokens, chat=True)
+        per_token.append(result.stats.wall_time_s / result.stats.generated_tokens)
+    step = statistics.median(per_token)
+    lines = [
+        f"{base.precision}, {torch.get_num_threads()} threads, {cpu_name()}; greedy, {args.max_new_tokens} new tokens, "
+        f"{len(DRAFT_COST_PROMPTS)} prompts; target-only: {step * 1e3:.2f} ms per token (median over the prompts).",
+        "",
+        "| head drafts (k = 4 pinned) | ms per drafted token | x a target-only token | tokens per target forward |",
+        "|---|---|---|---|",
+    ]
+    for tree in (False, True):
+        drafter = _TimedHead(head, tree=tree)
+        view = base.with_drafter(drafter, 4, adaptive=False)
+        view.generate(DRAFT_COST_PROMPTS[0], max_new_tokens=16, chat=True)
+        drafter.spent[:] = [0.0, 0]
+        results = [view.generate(p, max_new_tokens=args.max_new_tokens, chat=True)[0] for p in DRAFT_COST_PROMPTS]
+        per_draft = drafter.spent[0] / max(drafter.spent[1], 1)
+        tokens = statistics.mean(r.stats.mean_accepted_length for r in results)
+        kind = "trees" if tree else "chains"
+        lines.append(f"| {kind} | {per_draft * 1e3:.3f} | {per_draft / step * 100:.1f}% | {tokens:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,8 +205,9 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help="JSONL prompts [default: the shipped Spec-Bench subset]")
     parser.add_argument("--linear-head", action="store_true", help="also auto + head on nn.Linear products")
     parser.add_argument("--products", action="store_true", help="time the head's forward instead")
+    parser.add_argument("--draft-cost", action="store_true", help="the head's draft cost per drafted token instead")
     args = parser.parse_args()
-    write_table(products(args) if args.products else run(args), args.out)
+    write_table(products(args) if args.products else draft_cost(args) if args.draft_cost else run(args), args.out)
 
 
 if __name__ == "__main__":
