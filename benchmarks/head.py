@@ -20,7 +20,7 @@ target-only decoding step, on DRAFT_COST_PROMPTS (written for this script, not S
     .venv/bin/python benchmarks/head.py --head DIR [--prompts ../shared/specbench/question.jsonl]
         [--prompts-per-category 2] [--max-new-tokens 64] [--repeats 1] [-k 8] [--linear-head] [--out FILE]
     .venv/bin/python benchmarks/head.py --head DIR --products [--out FILE]
-    .venv/bin/python benchmarks/head.py --head DIR --draft-cost [--dtype auto] [--out FILE]
+    .venv/bin/python benchmarks/head.py --head DIR --draft-cost [--dtype auto] [--quantization w8a8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def systems(base: SpeculativeEngine, head: str, k: int, linear_head: bool) -> di
 
 def products(args) -> str:
     """Milliseconds of the head's forward (rows after 200 cached ones) and of its logits."""
-    base = SpeculativeEngine.from_pretrained(device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none")
+    base = engine_for(args)
     trained = load_head(args.head, base.target_runner.model)
     heads = {"nn.Linear (float32)": trained, f"for_drafting ({drafting_kind()})": for_drafting(trained)}
     c = trained.config
@@ -99,6 +99,12 @@ def products(args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def engine_for(args) -> SpeculativeEngine:
+    return SpeculativeEngine.from_pretrained(
+        device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none", quantization=args.quantization
+    )
+
+
 class _TimedHead(HeadDrafter):
     """A HeadDrafter that adds up its proposals' seconds and drafted tokens."""
 
@@ -116,7 +122,7 @@ class _TimedHead(HeadDrafter):
 
 
 def draft_cost(args) -> str:
-    base = SpeculativeEngine.from_pretrained(device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none")
+    base = engine_for(args)
     head = load_head(args.head, base.target_runner.model)
     target_only = base.with_drafter(None, 0)
     target_only.generate(DRAFT_COST_PROMPTS[0], max_new_tokens=16, chat=True)  # warm the shapes
@@ -147,7 +153,7 @@ def draft_cost(args) -> str:
 
 def run(args) -> str:
     torch.manual_seed(0)
-    base = SpeculativeEngine.from_pretrained(device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none")
+    base = engine_for(args)
     engines = systems(base, args.head, args.k, args.linear_head)
     prompts = select_prompts(load_prompts(args.prompts), per_category=args.prompts_per_category)
     for engine in engines.values():  # warm the shapes each system runs
@@ -205,6 +211,7 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help="JSONL prompts [default: the shipped Spec-Bench subset]")
     parser.add_argument("--linear-head", action="store_true", help="also auto + head on nn.Linear products")
     parser.add_argument("--products", action="store_true", help="time the head's forward instead")
+    parser.add_argument("--quantization", default=None, help="the target's, e.g. w8a8 [default: none]")
     parser.add_argument("--draft-cost", action="store_true", help="the head's draft cost per drafted token instead")
     args = parser.parse_args()
     write_table(products(args) if args.products else draft_cost(args) if args.draft_cost else run(args), args.out)
