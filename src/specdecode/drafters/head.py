@@ -234,17 +234,45 @@ class HeadLayer(nn.Module):
         q = self.q(h).view(n, c.num_heads, c.head_dim).transpose(0, 1)  # [heads, n, d]
         k = self.k(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)  # [kv, n, d]
         v = self.v(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        angles = positions.float()[:, None] * self.inv_freq[None]  # [n, d / 2]
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        cos, sin = self._rotation(positions)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         keys = k if past is None else torch.cat([past[0], k], dim=1)
         values = v if past is None else torch.cat([past[1], v], dim=1)
         if mask is None:
             mask = torch.ones(n, keys.shape[1], dtype=torch.bool).tril(keys.shape[1] - n)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [heads, n, d]
+        out = _grouped_attention(q, keys, values, mask)  # [heads, n, d]
         x = x + self.o(out.transpose(0, 1).reshape(n, -1))
         m = _rms_norm(x, self.mlp_norm, c.rms_norm_eps)
         return x + self.down(F.silu(self.gate(m)) * self.up(m)), k, v
+
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [n, d]
+        """Rotary cos and sin at positions, from a table computed once per length (a head
+        forward of a few rows is mostly per-operation cost: this saves six operations)."""
+        end = int(positions.max()) + 1 if positions.numel() else 0
+        table = self.__dict__.get("_rotations")
+        if table is None or table[0].shape[0] < end:
+            angles = torch.arange(max(end, 2 * (0 if table is None else table[0].shape[0]), 256)).float()
+            angles = angles[:, None] * self.inv_freq[None]  # [positions, d / 2]
+            table = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+            self.__dict__["_rotations"] = table  # not a buffer: never saved, never a parameter
+        return table[0][positions], table[1][positions]
+
+
+def _grouped_attention(
+    q: torch.Tensor,  # [heads, n, d]
+    keys: torch.Tensor,  # [kv heads, c, d]
+    values: torch.Tensor,  # [kv heads, c, d]
+    mask: torch.Tensor,  # [n, c] bool, True: attends
+) -> torch.Tensor:  # [heads, n, d]
+    """Softmax attention with grouped key/value heads (query head h reads kv head h // group, as
+    scaled_dot_product_attention's enable_gqa): one product per kv head for all its query heads,
+    without copying keys and values for each query head."""
+    heads, n, d = q.shape
+    kv, c = keys.shape[0], keys.shape[1]
+    group = heads // kv
+    scores = torch.matmul(q.reshape(kv, group * n, d), keys.transpose(1, 2)).view(kv, group, n, c) * d**-0.5
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(weights.view(kv, group * n, c), values).view(heads, n, d)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
