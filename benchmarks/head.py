@@ -71,7 +71,8 @@ def products(args) -> str:
     """Milliseconds of the head's forward (rows after 200 cached ones) and of its logits."""
     base = engine_for(args)
     trained = load_head(args.head, base.target_runner.model)
-    heads = {"nn.Linear (float32)": trained, f"for_drafting ({drafting_kind()})": for_drafting(trained)}
+    fast = for_drafting(trained)
+    heads = {"nn.Linear (float32)": trained, f"for_drafting ({drafting_kind(fast)})": fast}
     c = trained.config
     lines = [
         f"Head forward and logits, ms (medians of 100, interleaved), {torch.get_num_threads()} threads, {cpu_name()}; "

@@ -53,7 +53,7 @@ from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.drafters.base import Draft
 from specdecode.drafters.tree import TreeBuilder
 from specdecode.errors import InvalidArgumentError
-from specdecode.runners.projection import own_kernel, projection, w8a16_projection
+from specdecode.runners.projection import W8A16Projection, own_kernel, projection, w8a16_projection
 
 HEAD_CONFIG, HEAD_WEIGHTS, HEAD_VOCABULARY = "config.json", "head.safetensors", "vocabulary.json"
 SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads"  # package data: one folder per head
@@ -308,9 +308,11 @@ def drafting_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Ten
     return projection(weight.contiguous(), None, None)
 
 
-def drafting_kind() -> str:
-    """What for_drafting's products are here (HeadDrafter.cache_identity names it)."""
-    return "w8a16" if own_kernel() is not None else "float32"
+def drafting_kind(fast: DraftHead) -> str:
+    """What a for_drafting copy's products are ("w8a16", "float32", or both where the kernel
+    packs some shapes and not others): HeadDrafter.cache_identity names it."""
+    products = [m.product for m in fast.modules() if isinstance(m, _Product)] + [fast.rows_product]
+    return "+".join(sorted({"w8a16" if isinstance(p, W8A16Projection) else "float32" for p in products}))
 
 
 def for_drafting(head: DraftHead) -> DraftHead:
@@ -494,7 +496,7 @@ class HeadDrafter:
     def cache_identity(self) -> list:
         """What its drafts depend on besides the target's hidden states (the target the response
         cache keys by already): the head (head_digest) and how it drafts."""
-        return [head_digest(self.head), self.drafts_trees, self.branching, drafting_kind()]
+        return [head_digest(self.head), self.drafts_trees, self.branching, drafting_kind(self.fast)]
 
     def begin(self, prompt_ids: list[int]) -> None:
         c = self.head.config
