@@ -16,11 +16,16 @@ output is checked against target-only decoding of the same engine (same precisio
 against for_drafting's copy, interleaved, medians. --draft-cost measures what issue 25 bounds:
 seconds the head spends drafting per drafted token (k = 4 pinned, chains and trees) against a
 target-only decoding step, on DRAFT_COST_PROMPTS (written for this script, not Spec-Bench).
+--sampling times target-only, auto + head (the head's one-hot trees at every temperature) and
+auto + head drafting chains (drawn from q when sampling: what the head did before) at
+temperatures 0, 0.7 and 1, interleaved per prompt and seed, on SAMPLING_PROMPTS (written for
+the scripts); each cell sums tokens and seconds over the prompts and seeds.
 
     .venv/bin/python benchmarks/head.py --head DIR [--prompts ../shared/specbench/question.jsonl]
         [--prompts-per-category 2] [--max-new-tokens 64] [--repeats 1] [-k 8] [--linear-head] [--out FILE]
     .venv/bin/python benchmarks/head.py --head DIR --products [--out FILE]
     .venv/bin/python benchmarks/head.py --head DIR --draft-cost [--dtype auto] [--quantization w8a8] [--out FILE]
+    .venv/bin/python benchmarks/head.py --head DIR --sampling [--repeats 2] [-k 8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 
 from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.environment import cpu_name
-from specdecode.bench.prompts import load_prompts, select_prompts
+from specdecode.bench.prompts import DRAFTER_PROMPTS, load_prompts, select_prompts
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.drafters.auto import candidates_of
 from specdecode.drafters.factory import DrafterOptions, make_drafter
@@ -45,6 +50,8 @@ DRAFT_COST_PROMPTS = (
     "Explain how a bicycle stays upright when it moves.",
     "Why do cats purr, and what does it mean?",
 )
+SAMPLING_PROMPTS = (*DRAFT_COST_PROMPTS, *DRAFTER_PROMPTS["open-ended"])
+TEMPERATURES = (0.0, 0.7, 1.0)
 
 
 def systems(base: SpeculativeEngine, head: str, k: int, linear_head: bool) -> dict[str, SpeculativeEngine]:
@@ -152,6 +159,61 @@ def draft_cost(args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sampling(args) -> str:
+    """Speed against target-only and tokens per forward, by temperature (module docstring)."""
+    base = engine_for(args)
+    head = load_head(args.head, base.target_runner.model)
+    chains = make_drafter("auto", args.head, base.target_runner, base.tokenizer, None, "auto", DrafterOptions())
+    for candidate in candidates_of(chains):
+        if isinstance(candidate, HeadDrafter):
+            candidate.drafts_trees = False  # forks copy it
+    engines = {
+        "target-only": base.with_drafter(None, 0),
+        "auto + head": base.with_drafter(
+            make_drafter("auto", args.head, base.target_runner, base.tokenizer, None, "auto", DrafterOptions()),
+            args.k,
+            adaptive=True,
+        ),
+        "auto + head drafting chains": base.with_drafter(chains, args.k, adaptive=True),
+    }
+    del head
+    prompts = [base.encode(p, chat=True) for p in SAMPLING_PROMPTS]
+    totals: dict[tuple[float, str], list[float]] = {}  # tokens, seconds, forwards
+    for temperature in TEMPERATURES:
+        for engine in engines.values():  # warm the shapes, and each policy at this temperature
+            engine.generate([prompts[0]], max_new_tokens=16, temperature=temperature, seed=99)
+        for ids in prompts:
+            for seed in range(args.repeats):
+                for name, engine in engines.items():
+                    [result] = engine.generate(
+                        [ids], max_new_tokens=args.max_new_tokens, temperature=temperature, seed=seed
+                    )
+                    total = totals.setdefault((temperature, name), [0.0, 0.0, 0.0])
+                    total[0] += result.stats.generated_tokens
+                    total[1] += result.stats.wall_time_s
+                    total[2] += result.stats.target_forwards
+        print(temperature, {n: round(t[0] / t[1], 1) for (tt, n), t in totals.items() if tt == temperature}, flush=True)
+    lines = [
+        f"Default model, {base.precision}, {torch.get_num_threads()} threads, {cpu_name()}; {args.max_new_tokens} new "
+        f"tokens, chat template, {len(prompts)} prompts (SAMPLING_PROMPTS) x {args.repeats} seeds, systems interleaved; "
+        f"k (tree nodes) at most {args.k}, adaptive; head {args.head}.",
+        "",
+        "Each cell: speed against target-only at the same temperature (tokens over seconds, summed), then tokens "
+        "per target forward.",
+        "",
+        "| temperature | target-only tok/s | " + " | ".join(list(engines)[1:]) + " |",
+        "|---" * (len(engines) + 1) + "|",
+    ]
+    for temperature in TEMPERATURES:
+        tokens, seconds, _ = totals[(temperature, "target-only")]
+        cells = []
+        for name in list(engines)[1:]:
+            t = totals[(temperature, name)]
+            cells.append(f"{t[0] / t[1] / (tokens / seconds):.2f}x, {t[0] / t[2]:.2f}")
+        lines.append(f"| {temperature:g} | {tokens / seconds:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def run(args) -> str:
     torch.manual_seed(0)
     base = engine_for(args)
@@ -214,8 +276,10 @@ def main() -> None:
     parser.add_argument("--products", action="store_true", help="time the head's forward instead")
     parser.add_argument("--quantization", default=None, help="the target's, e.g. w8a8 [default: none]")
     parser.add_argument("--draft-cost", action="store_true", help="the head's draft cost per drafted token instead")
+    parser.add_argument("--sampling", action="store_true", help="trees against chains by temperature instead")
     args = parser.parse_args()
-    write_table(products(args) if args.products else draft_cost(args) if args.draft_cost else run(args), args.out)
+    mode = products if args.products else draft_cost if args.draft_cost else sampling if args.sampling else run
+    write_table(mode(args), args.out)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ active (runners/slots.py); a *step* is one target forward. `Decoder.step` runs t
    on it). A rebuilt sequence's prefill decides nothing: its next token is known;
 2. draft: each other sequence's drafters propose up to its k tokens (ragged: some propose
    none), a chain or a tree of k nodes; k is chosen here, from what was measured
-   (core/adaptive.py: by position for chains, by tree size for drafters of trees). A target
-   that cannot verify trees (runner.verifies_trees False) runs a tree's first path, a chain;
+   (core/adaptive.py: by position for chains, by tree size for drafters of trees; a drafter's
+   greedy and sampled sequences are measured apart, `policy_key`). A target that cannot
+   verify trees (runner.verifies_trees False) runs a tree's first path, a chain;
 3. verify: the target runs every sequence's uncached tokens and drafts in ONE forward (a
    tree's nodes each attend to the cache, the root and their ancestors). A rebuilt
    sequence's generated tokens (uncached but its last) run here too, with every row's
@@ -132,7 +133,8 @@ class Decoder:
         self.capacity = 1  # most sequences active at once
         self.costs = StepCosts()  # seconds of a verification forward, by the tokens in it (all sequences)
         self._sizes_run: set[int] = set()  # forward sizes run at least once (see _record_cost)
-        # drafter name -> its acceptance, pooled over sequences: by position for chains, by tree size for trees
+        # policy_key (drafter name, greedy or sampled) -> its acceptance, pooled over sequences:
+        # by position for chains, by tree size for trees
         self.policies: dict[str, AdaptiveK | AdaptiveTree] = {}
         self.verifies_trees = bool(getattr(runner, "verifies_trees", False))  # else a tree's first path runs
         self.active: list[SequenceState] = []
@@ -237,7 +239,7 @@ class Decoder:
                 continue
             start = time.perf_counter()
             draft = self._runnable(drafter.propose(seq.tokens, k, seq.params, seq.generator))
-            policy = self._policy(drafter)
+            policy = self._policy(drafter, seq.params)
             policy.record_draft(len(draft), time.perf_counter() - start)
             if len(draft):
                 return replace(draft, source=drafter.name), k
@@ -259,9 +261,10 @@ class Decoder:
     def _k(self, seq: SequenceState, drafter: Drafter, chosen: dict[str, int], k_max: int, batch_size: int) -> int:
         if seq.fixed_k or not self.adaptive:
             return seq.k_max
-        if drafter.name not in chosen:  # one choice per drafter and step: the policy counts steps
-            chosen[drafter.name] = self._policy(drafter).choose(k_max, batch_size)
-        return min(chosen[drafter.name], seq.k_max)
+        key = policy_key(drafter.name, seq.params)
+        if key not in chosen:  # one choice per policy and step: the policy counts steps
+            chosen[key] = self._policy(drafter, seq.params).choose(k_max, batch_size)
+        return min(chosen[key], seq.k_max)
 
     def _verify(
         self, sequences: list[SequenceState], drafts: list[Draft], layers: tuple[int, ...]
@@ -358,7 +361,7 @@ class Decoder:
             return []
         accepted, emitted = decision.verdict.num_accepted, decision.emitted
         if len(draft):  # a tree's size and accepted depth
-            self.policies[draft.source].record_verdict(len(draft), accepted, asked)
+            self.policies[policy_key(draft.source, seq.params)].record_verdict(len(draft), accepted, asked)
             next(d for d in seq.drafters if d.name == draft.source).observe(len(draft), accepted)
         depths = None if draft.is_chain else draft.depths()
         seq.stats.record_step(len(draft), accepted, draft.source if len(seq.drafters) > 1 else None, depths)
@@ -383,13 +386,23 @@ class Decoder:
             self.costs.record(tokens, seconds)
         self._sizes_run.add(tokens)
 
-    def _policy(self, drafter: Drafter) -> AdaptiveK | AdaptiveTree:
-        """A drafter's policy: by tree size for a drafter of trees this target verifies, else by
-        position (a chain, or a tree's first path)."""
-        if drafter.name not in self.policies:
+    def _policy(self, drafter: Drafter, params: SamplingParams) -> AdaptiveK | AdaptiveTree:
+        """A drafter's policy for greedy sequences, or for sampled ones (policy_key): by tree
+        size for a drafter of trees this target verifies, else by position (a chain, or a
+        tree's first path)."""
+        key = policy_key(drafter.name, params)
+        if key not in self.policies:
             trees = self.verifies_trees and getattr(drafter, "drafts_trees", False)
-            self.policies[drafter.name] = AdaptiveTree(self.costs) if trees else AdaptiveK(self.costs)
-        return self.policies[drafter.name]
+            self.policies[key] = AdaptiveTree(self.costs) if trees else AdaptiveK(self.costs)
+        return self.policies[key]
+
+
+def policy_key(drafter_name: str, params: SamplingParams) -> str:
+    """Which policy measures a drafter's drafts: one for greedy sequences, one for sampled ones.
+    A sampled sequence accepts a draft less often than a greedy one (it must draw the token,
+    not just rank it first), so the same drafter pays at another k; pooled, a server's greedy
+    requests would draft too little and its sampled ones too much."""
+    return drafter_name if params.greedy else f"{drafter_name}, sampled"
 
 
 def _hidden_layers_wanted(sequences: list[SequenceState]) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specdecode.core.sampling import SamplingParams, logits_to_probs
+from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.core.verification import verify, verify_greedy, verify_logits
 
 
@@ -186,3 +186,33 @@ def test_a_chains_accepted_path_is_its_accepted_prefix(k, seed, greedy):
     params = SamplingParams(0.0 if greedy else 1.0)
     verdict = verify_logits(draft, None, logits, params, torch.Generator().manual_seed(seed))
     assert verdict.path == tuple(range(verdict.num_accepted))
+
+
+# --- drawing one token: sampling.sample inverts the cumulative sum at one uniform draw ---
+
+
+def test_sample_draws_each_row_from_its_own_weights_and_never_a_zero():
+    weights = torch.tensor([[0.0, 3.0, 1.0, 0.0, 4.0, 0.0], [2.0, 0.0, 0.0, 1.0, 0.0, 1.0]])  # unnormalised
+    generator = torch.Generator().manual_seed(5)
+    draws = torch.stack([sample(weights, generator) for _ in range(8000)])  # [8000, 2]
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=6).double()
+        expected = weights[row].double() / weights[row].sum()
+        assert counts[expected == 0].sum() == 0  # a token of weight 0 is never drawn
+        seen = expected > 0
+        assert chisquare(counts[seen].numpy(), (expected[seen] * 8000).numpy()).pvalue > 0.001
+        # negative control: the other row's law is far off
+        other = weights[1 - row].double() / weights[1 - row].sum()
+        assert chisquare(counts.numpy() + 1, (other * 8000).numpy() + 1).pvalue < 1e-6
+
+
+def test_a_uniform_draw_that_rounds_to_the_total_takes_the_last_token_with_weight(monkeypatch):
+    """u * total < total exactly, but rounded it can reach it: the last token of weight > 0."""
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.ones(*shape, dtype=torch.float64))
+    assert sample(torch.tensor([[0.2, 0.5, 0.3, 0.0, 0.0]]), None).tolist() == [2]
+
+
+def test_sample_refuses_rows_with_nothing_to_draw():
+    for bad in ([0.0, 0.0, 0.0], [0.5, float("nan"), 0.5], [1.0, float("inf"), 0.0]):
+        with pytest.raises(ValueError, match="not all zero"):
+            sample(torch.tensor([bad]), None)

@@ -784,6 +784,21 @@ def test_the_decoder_chooses_tree_sizes_for_drafters_of_trees_it_can_verify(monk
     assert type(chains.decoder.policies["trees"]) is AdaptiveK
 
 
+def test_a_drafters_greedy_and_sampled_sequences_are_measured_by_policies_of_their_own():
+    """A sampled sequence accepts less than a greedy one, so its steps must not move the greedy
+    policy's measurements (nor the other way): each has a policy of its own (decoder.policy_key)."""
+    table = Table(7)
+    engine = table_engine(table, TreeDrafter(oracle_trees(table_truth(table), table.vocab)), 8, adaptive=True)
+    engine.generate(TABLE_PROMPTS[:1], max_new_tokens=20)
+    greedy = engine.decoder.policies["trees"]
+    measured = dict(greedy.accepted)
+    assert measured and set(engine.decoder.policies) == {"trees"}
+    engine.generate(TABLE_PROMPTS[:1], max_new_tokens=20, temperature=1.0)
+    sampled = engine.decoder.policies["trees, sampled"]
+    assert sampled is not greedy and sampled.accepted
+    assert greedy.accepted == measured  # the sampled steps left it as it was
+
+
 # --- the server's tree metrics ---
 
 

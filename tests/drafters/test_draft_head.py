@@ -33,6 +33,7 @@ from helpers import (
     g_test_pvalue,
     head64_llama,
     hf_greedy,
+    nearby_draft,
     sample_counts,
     target_and_draft,
     tiny_gpt2,
@@ -252,6 +253,31 @@ def test_negative_control_a_q_that_is_not_zero_off_the_vocabulary_is_caught():
     engine = SpeculativeEngine(target, drafter=OffVocabularyBug(head), num_speculative_tokens=3, runner="transformers")
     counts = sample_counts(engine, 3, params, seed=21)
     assert g_test_pvalue(counts, exact_joint(target, params)) < ALPHA
+
+
+def test_sampled_head_trees_on_the_fast_runner_keep_the_targets_law():
+    """The head's trees are one-hot at every temperature (a function of the context), so sampled
+    they go through the tree rule: the G-test against the target's exact law on the fast runner's
+    tree forward, k pinned, and the law of a nearby model rejected (negative control)."""
+    params = dict(temperature=1.0)
+    target = head64_llama(seed=1, dtype=torch.float32, vocab_size=DIST_VOCAB, initializer_range=0.05)
+    runner = FastLlamaRunner(target)
+    if not (runner.verifies_trees and hasattr(runner, "hidden_layers")):
+        pytest.skip("this fast runner verifies no trees or keeps no hidden states")
+    engine = SpeculativeEngine(target, drafter=None, runner="transformers")
+    samples = data.answers(engine, [PROMPT] * 8 + random_prompts(8, DIST_VOCAB, 1), 0, 16, chat=False)
+    layers = (target.config.num_hidden_layers,)
+    head = untrained_head(target, data.draft_vocabulary(samples, 8, set()), layers)
+    train(head, collect(target, samples, layers, 256), TrainConfig(epochs=4, lr=3e-3))
+    drafter = HeadDrafter(head, tree=True)
+    engine = SpeculativeEngine(runner, drafter=drafter, num_speculative_tokens=4)
+    counts = sample_counts(engine, 4, params, seed=21)
+    assert g_test_pvalue(counts, exact_joint(target, params)) > ALPHA
+    assert g_test_pvalue(counts, exact_joint(nearby_draft(target, noise=0.5), params)) < ALPHA
+    # what was tested: the head's trees, drawn and some accepted
+    results = engine.generate([PROMPT] * 20, max_new_tokens=6, seed=3, **params)
+    assert_drafted_and_accepted(results)
+    assert sum(r.stats.tree_steps for r in results) > 0
 
 
 # --- save, load, resume ---

@@ -107,6 +107,24 @@ def _mask_outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of probs [..., vocab] -> [...]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """Draw one token per row of probs [..., vocab] -> [...]: non-negative weights (a softmax,
+    or a residual clipped at 0), not necessarily summing to 1.
+
+    By inverting each row's cumulative sum, in float64, at one uniform draw: the first token
+    whose cumulative mass exceeds u * total. torch.multinomial draws one exponential per token
+    of the vocabulary for each sample, several times slower for a vocabulary as large as the
+    default model's (benchmarks/results/sampling-cost.md): a sampled token cost more than a
+    drafted one. A token of weight 0 is never drawn: its cumulative mass equals its
+    predecessor's, so it is never the first to exceed u * total."""
+    flat = probs.reshape(-1, probs.shape[-1])  # [rows, vocab]
+    cumulative = flat.cumsum(dim=-1, dtype=torch.float64)  # [rows, vocab]
+    total = cumulative[:, -1:]  # [rows, 1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("probabilities to sample from must be finite and not all zero")
+    u = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator)  # [rows, 1] in [0, 1)
+    tokens = torch.searchsorted(cumulative, u * total, right=True)  # [rows, 1]
+    # u * total < total exactly; rounded, it can equal total, past every index: take the last
+    # token with mass instead (about once in 2^53 draws)
+    for row in (tokens[:, 0] >= flat.shape[-1]).nonzero()[:, 0].tolist():
+        tokens[row, 0] = int(flat[row].nonzero()[-1])
+    return tokens.reshape(probs.shape[:-1])

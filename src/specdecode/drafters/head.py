@@ -25,10 +25,14 @@ Cache. The head keeps its own small KV cache: rows computed from the target's fe
 (and cropped when the sequence's tokens change under them), rows computed from its own outputs
 (the draft) are dropped at the next proposal, as the target's rejected drafts are.
 
-Greedy decoding, for a target that verifies trees, drafts trees as EAGLE-2 does: level by
+Trees (`tree=True`, for a target that verifies trees), drafted as EAGLE-2 does: level by
 level, the `branching` frontier nodes most likely reached offer their `branching` most probable
 children, all of a level in one head forward (each node attends to the prefix, its ancestors
-and itself); the draft is the k offered nodes most likely reached.
+and itself); the draft is the k offered nodes most likely reached. The tree is the same at every
+temperature: a function of the context, one-hot, so the tree rule keeps the target's law when
+sampling too (core/verification.py). Sampled, trees beat the head's chains drawn from q
+(whose head forwards run one after another) at temperatures 0.7 and 1
+(benchmarks/results/sampling-head-trees.md).
 """
 
 from __future__ import annotations
@@ -481,8 +485,8 @@ class HeadDrafter:
     def __init__(
         self, head: DraftHead, tree: bool = False, branching: int = TREE_BRANCHING, fast: DraftHead | None = None
     ):
-        """tree: draft trees under greedy decoding (module docstring); fast: head's for_drafting
-        copy, if made already (forks share it)."""
+        """tree: draft trees, one-hot, greedy or sampled (module docstring), else chains (drawn
+        from q when sampling); fast: head's for_drafting copy, if made already (forks share it)."""
         self.head = head.eval()
         self.fast = fast if fast is not None else for_drafting(head)  # what drafts: the head's weights as they are now
         self.hidden_layers = head.config.feature_layers
@@ -532,7 +536,7 @@ class HeadDrafter:
         if k <= 0 or n < 2 or self._known < n - 1:
             return Draft.empty()
         g = self._catch_up(token_ids)  # [1, hidden], the head's output after the root
-        if self.drafts_trees and params.greedy:
+        if self.drafts_trees:
             return self._tree(token_ids, g, k)
         return self._chain(token_ids, g, k, params, generator)
 
