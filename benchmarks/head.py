@@ -37,20 +37,15 @@ import torch
 
 from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.environment import cpu_name
-from specdecode.bench.prompts import DRAFTER_PROMPTS, load_prompts, select_prompts
+from specdecode.bench.prompts import OPEN_CHAT_PROMPTS, load_prompts, select_prompts
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.drafters.auto import candidates_of
 from specdecode.drafters.factory import DrafterOptions, make_drafter
 from specdecode.drafters.head import HeadDrafter, drafting_kind, for_drafting, load_head
 
 NO_CACHE = CacheOptions(response_cache=False, draft_store=False)
-DRAFT_COST_PROMPTS = (
-    "Write a poem about autumn leaves falling in a quiet park.",
-    "What should I pack for a week-long camping trip?",
-    "Explain how a bicycle stays upright when it moves.",
-    "Why do cats purr, and what does it mean?",
-)
-SAMPLING_PROMPTS = (*DRAFT_COST_PROMPTS, *DRAFTER_PROMPTS["open-ended"])
+DRAFT_COST_PROMPTS = OPEN_CHAT_PROMPTS[:4]
+SAMPLING_PROMPTS = OPEN_CHAT_PROMPTS
 TEMPERATURES = (0.0, 0.7, 1.0)
 
 

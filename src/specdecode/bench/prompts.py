@@ -50,6 +50,14 @@ DRAFTER_PROMPTS = {
         "Write a friendly email inviting a colleague to lunch.",
     ],
 }
+# everyday open-ended chat requests (benchmarks/head.py, step_phases.py), the drafters' open-ended ones last
+OPEN_CHAT_PROMPTS = (
+    "Write a poem about autumn leaves falling in a quiet park.",
+    "What should I pack for a week-long camping trip?",
+    "Explain how a bicycle stays upright when it moves.",
+    "Why do cats purr, and what does it mean?",
+    *DRAFTER_PROMPTS["open-ended"],
+)
 COPY_PROMPTS = [
     "Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model "
     "verifies in one pass, so generation gets faster without changing its output.",
