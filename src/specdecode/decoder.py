@@ -133,6 +133,7 @@ class Decoder:
         self.capacity = 1  # most sequences active at once
         self.costs = StepCosts()  # seconds of a verification forward, by the tokens in it (all sequences)
         self._sizes_run: set[int] = set()  # forward sizes run at least once (see _record_cost)
+        self._steps = 0  # steps drafted so far: whose turn it is to explore (_draft)
         # policy_key (drafter name, greedy or sampled) -> its acceptance, pooled over sequences:
         # by position for chains, by tree size for trees
         self.policies: dict[str, AdaptiveK | AdaptiveTree] = {}
@@ -223,18 +224,27 @@ class Decoder:
                 self.slots.crop(seq.slot, 0)
 
     def _draft(self, sequences: list[SequenceState]) -> tuple[list[Draft], list[int]]:
-        """Each sequence's draft, and the k it was asked for (0: nothing asked)."""
-        chosen: dict[str, int] = {}  # this step's k per drafter, chosen on first use
+        """Each sequence's draft, and the k it was asked for (0: nothing asked).
+
+        A policy's choice may explore (a size chosen on its optimism, or a probe out of k = 0):
+        one sequence a step explores, in turn, and the others draft the size that pays on what
+        was measured (`policy.settled`). Exploring on every sequence of a batch at once made a
+        forward of all their trees, paid by the whole batch (docs/serving.md)."""
+        chosen: dict[str, tuple[int, int]] = {}  # this step's (explored, settled) k per policy, chosen on first use
         k_max = max(seq.k_max for seq in sequences)
-        proposals = [self._propose(seq, chosen, k_max, len(sequences)) for seq in sequences]
+        explorer = sequences[self._steps % len(sequences)]
+        self._steps += 1
+        proposals = [self._propose(seq, chosen, k_max, len(sequences), seq is explorer) for seq in sequences]
         return [draft for draft, _ in proposals], [k for _, k in proposals]
 
-    def _propose(self, seq: SequenceState, chosen: dict[str, int], k_max: int, batch_size: int) -> tuple[Draft, int]:
+    def _propose(
+        self, seq: SequenceState, chosen: dict[str, tuple[int, int]], k_max: int, batch_size: int, explores: bool
+    ) -> tuple[Draft, int]:
         room = min(seq.stopping.max_new_tokens - len(seq.generated), self.max_length - len(seq.tokens))
         if seq.k_max == 0 or room <= 1 or seq.prompt_uncached:  # drafting past the budget is waste
             return Draft.empty(), 0
         for drafter in seq.drafters:
-            k = min(self._k(seq, drafter, chosen, k_max, batch_size), room - 1)
+            k = min(self._k(seq, drafter, chosen, k_max, batch_size, explores), room - 1)
             if k == 0:
                 continue
             start = time.perf_counter()
@@ -258,13 +268,23 @@ class Decoder:
             return draft.first_path()
         return draft
 
-    def _k(self, seq: SequenceState, drafter: Drafter, chosen: dict[str, int], k_max: int, batch_size: int) -> int:
+    def _k(
+        self,
+        seq: SequenceState,
+        drafter: Drafter,
+        chosen: dict[str, tuple[int, int]],
+        k_max: int,
+        batch_size: int,
+        explores: bool,
+    ) -> int:
         if seq.fixed_k or not self.adaptive:
             return seq.k_max
         key = policy_key(drafter.name, seq.params)
         if key not in chosen:  # one choice per policy and step: the policy counts steps
-            chosen[key] = self._policy(drafter, seq.params).choose(k_max, batch_size)
-        return min(chosen[key], seq.k_max)
+            policy = self._policy(drafter, seq.params)
+            chosen[key] = (policy.choose(k_max, batch_size), policy.settled)
+        explored, settled = chosen[key]
+        return min(explored if explores else settled, seq.k_max)
 
     def _verify(
         self, sequences: list[SequenceState], drafts: list[Draft], layers: tuple[int, ...]

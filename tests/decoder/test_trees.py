@@ -799,6 +799,38 @@ def test_a_drafters_greedy_and_sampled_sequences_are_measured_by_policies_of_the
     assert greedy.accepted == measured  # the sampled steps left it as it was
 
 
+def test_in_a_batch_one_sequence_a_step_explores_and_the_others_draft_the_settled_size(monkeypatch):
+    """A policy that explores 4 nodes where 0 pays (a probe, or optimism): in a batch of three,
+    one sequence a step drafts it, each in turn, and the others draft nothing; alone, the
+    sequence explores every step. The text stays the target's."""
+
+    def exploring(self, k_max, batch_size=1):
+        self.settled = 0
+        return 4
+
+    monkeypatch.setattr(AdaptiveTree, "choose", exploring)
+    table = Table(7)
+    engine = table_engine(table, TreeDrafter(oracle_trees(table_truth(table), table.vocab)), 8, adaptive=True)
+    asked: list[list[int]] = []
+    draft = engine.decoder._draft
+
+    def spy(sequences):
+        drafts, ks = draft(sequences)
+        asked.append(ks)
+        return drafts, ks
+
+    engine.decoder._draft = spy
+    results = engine.generate(TABLE_PROMPTS, max_new_tokens=12, max_batch_size=3)
+    assert [r.token_ids for r in results] == [table.greedy(tuple(p), 12) for p in TABLE_PROMPTS]
+    batched = [ks for ks in asked if len(ks) == 3 and any(ks)]
+    assert batched and all(sorted(ks)[:2] == [0, 0] for ks in batched)  # (4, or less where the budget ends)
+    assert len({ks.index(max(ks)) for ks in batched}) == 3  # in turn
+    asked.clear()
+    engine.generate(TABLE_PROMPTS[:1], max_new_tokens=12)
+    alone = [ks[0] for ks in asked[1:]]  # after the prefill: 4, or less where the budget ends
+    assert alone[0] == 4 and 0 not in alone[:-1], alone  # the last step has no room to draft
+
+
 # --- the server's tree metrics ---
 
 

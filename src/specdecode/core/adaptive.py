@@ -18,6 +18,11 @@ size not measured yet is guessed as good as the next larger one measured (a tree
 nodes that does as well is cheaper), so that it gets tried, and measured. One step's depth
 is a noisy integer, so a size's A(n) is a discounted mean with a bonus for sizes measured
 little or long ago (discounted UCB): a size left after unlucky steps is tried again.
+
+Exploring. What a policy returns may explore (a size chosen on its bonus, a probe); `settled`
+is what pays on what was measured alone. In a batch the decoder lets one sequence a step
+explore and the others draft `settled`: a batch's forward is not flat in its tokens, and
+every sequence exploring at once made a forward of all their trees.
 """
 
 from __future__ import annotations
@@ -115,6 +120,9 @@ class _Policy:
     def __init__(self, step_costs: StepCosts):
         self.step_costs = step_costs
         self.draft_seconds_per_token: float | None = None  # a tree's: per node
+        # the last choice without exploration: what pays on what was measured (0 while probing);
+        # in a batch, the sequences that do not explore this step draft it (decoder._draft)
+        self.settled = 0
         self._off_steps = 0
         self._probe_every = PROBE_EVERY[0]
 
@@ -153,11 +161,14 @@ class AdaptiveK(_Policy):
         """The k for the next step; batch_size sequences draft it and share one verification
         forward, whose cost step_costs knows by its total tokens."""
         if k_max <= 0:
+            self.settled = 0
             return 0
         k_max = min(k_max, MAX_SPECULATIVE_TOKENS)  # the engine checks k; this keeps the policy's work bounded anyway
         if self.draft_seconds_per_token is None or not self.step_costs.seconds:
+            self.settled = k_max
             return k_max  # nothing measured yet: try the most
         k = best_k(self._acceptance(k_max), self.draft_seconds_per_token, self._verify_seconds(batch_size))
+        self.settled = k
         return self._or_probe(k, k_max)
 
     def _acceptance(self, positions: int) -> list[float]:
@@ -232,13 +243,15 @@ class AdaptiveTree(_Policy):
         verification forward, whose cost step_costs knows by its total tokens: the larger the
         batch, the dearer each node, and the smaller the tree."""
         if k_max <= 0:
+            self.settled = 0
             return 0
         k_max = min(k_max, MAX_SPECULATIVE_TOKENS)
         if self.draft_seconds_per_token is None or not self.step_costs.seconds or not self._weight:
+            self.settled = k_max
             return k_max  # nothing measured yet: try the most
         sizes, verify_seconds = tree_sizes(k_max), self._verify_seconds(batch_size)
         costs = (self.nodes_proposed, self.draft_seconds_per_token, verify_seconds)
-        likely = best_tree_size(sizes, self.accepted_depth, *costs)
+        likely = self.settled = best_tree_size(sizes, self.accepted_depth, *costs)
         hopeful = best_tree_size(sizes, lambda n: min(float(n), self.accepted_depth(n) + self.bonus(n)), *costs)
         for size in self._weight:  # a step has passed: what was measured weighs less
             self._depth[size] *= TREE_MEMORY
