@@ -157,21 +157,19 @@ def draft_cost(args) -> str:
 def sampling(args) -> str:
     """Speed against target-only and tokens per forward, by temperature (module docstring)."""
     base = engine_for(args)
-    head = load_head(args.head, base.target_runner.model)
-    chains = make_drafter("auto", args.head, base.target_runner, base.tokenizer, None, "auto", DrafterOptions())
+
+    def auto_with_head():
+        return make_drafter("auto", args.head, base.target_runner, base.tokenizer, None, "auto", DrafterOptions())
+
+    chains = auto_with_head()
     for candidate in candidates_of(chains):
         if isinstance(candidate, HeadDrafter):
             candidate.drafts_trees = False  # forks copy it
     engines = {
         "target-only": base.with_drafter(None, 0),
-        "auto + head": base.with_drafter(
-            make_drafter("auto", args.head, base.target_runner, base.tokenizer, None, "auto", DrafterOptions()),
-            args.k,
-            adaptive=True,
-        ),
+        "auto + head": base.with_drafter(auto_with_head(), args.k, adaptive=True),
         "auto + head drafting chains": base.with_drafter(chains, args.k, adaptive=True),
     }
-    del head
     prompts = [base.encode(p, chat=True) for p in SAMPLING_PROMPTS]
     totals: dict[tuple[float, str], list[float]] = {}  # tokens, seconds, forwards
     for temperature in TEMPERATURES:
