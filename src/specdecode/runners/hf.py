@@ -11,6 +11,7 @@ run, so the runner asks it after a forward of two tokens on a scratch cache.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, cache_utils
@@ -70,7 +71,7 @@ class HFModelRunner:
         if self.rolls_back:
             # sliding-window and convolution layers keep their past until a crop, so that a
             # crop can take rejected drafts back (a recurrent cache decodes as generate does)
-            self._cache.activate_past_recording()
+            _record_past(self._cache)
         self._length = 0
 
     @torch.inference_mode()
@@ -133,6 +134,7 @@ class HFModelRunner:
             for hook in hooks:
                 hook.remove()
 
+    @torch.inference_mode()  # transformers 5.25 subtracts a crop from a layer's length tensor, made in a forward
     def crop(self, length: int) -> None:
         """Keep the first `length` positions; where they cannot be taken back (a recurrent
         state, or a convolution that recorded less), the cache is emptied: cache_length is then
@@ -156,12 +158,17 @@ class HFModelRunner:
         """Whether every layer of this model's cache crops exactly; a linear-attention layer
         tells only once it has run (whether it keeps a recurrent state)."""
         cache = DynamicCache(config=self.model.config)
-        if any(isinstance(layer, _LINEAR_LAYERS) for layer in cache.layers):
-            cache.activate_past_recording()
-            with torch.inference_mode():
-                probe = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-                self.model(input_ids=probe, cache=cache, use_cache=True, logits_to_keep=1)
-        return getattr(cache, "is_croppable", True)
+        linear = [layer for layer in cache.layers if isinstance(layer, _LINEAR_LAYERS)]
+        if not linear:
+            return getattr(cache, "is_croppable", True)
+        _record_past(cache)
+        with torch.inference_mode():
+            probe = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+            self.model(input_ids=probe, cache=cache, use_cache=True, logits_to_keep=1)
+        # transformers 5.24 says so in is_croppable; 5.25 says True for every linear layer (it can
+        # record recurrent states, which this runner does not ask for): a recurrent state decides
+        recurrent = any(any(layer.is_recurrent_states_initialized.values()) for layer in linear)
+        return getattr(cache, "is_croppable", True) and not recurrent
 
     def _saved_states(self) -> list[tuple[object, dict]]:
         """What a failed forward must give back to the linear-attention layers: their attributes.
@@ -238,6 +245,24 @@ def _output_recorder(recorded: dict[int, torch.Tensor], index: int):
     return hook
 
 
+def _record_past(cache: DynamicCache) -> None:
+    """Convolution and sliding-window layers keep their past until a crop; no recurrent states
+    are recorded (transformers 5.25 records them unless told 0; 5.24 takes no such argument)."""
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    if mixin is not None and "recurrent_states_to_keep" in inspect.signature(mixin.activate_past_recording).parameters:
+        cache.activate_past_recording(recurrent_states_to_keep=0)
+    else:
+        cache.activate_past_recording()
+
+
 def _copy_state(attributes: dict) -> dict:
-    """A layer's attributes, its dictionaries (of states, by index) copied one level down."""
-    return {name: dict(value) if isinstance(value, dict) else value for name, value in attributes.items()}
+    """A layer's attributes, its dictionaries (of states, by index) copied one level down, and
+    its tensors (transformers 5.25 counts a layer's length in one, added to in place) cloned."""
+    copied = {}
+    for name, value in attributes.items():
+        if isinstance(value, dict):
+            value = dict(value)
+        elif isinstance(value, torch.Tensor):
+            value = value.clone()
+        copied[name] = value
+    return copied
