@@ -21,6 +21,13 @@ from specdecode.runners.rowwise import make_rows_exact, verifying
 
 # transformers' linear-attention cache layers (and hybrids): convolution and recurrent states
 _LINEAR_LAYERS = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+# transformers 5.25 records recurrent states for rollback unless told 0; 5.24 takes no such argument
+_NO_RECURRENT_HISTORY = (
+    {"recurrent_states_to_keep": 0}
+    if _LINEAR_LAYERS
+    and "recurrent_states_to_keep" in inspect.signature(_LINEAR_LAYERS.activate_past_recording).parameters
+    else {}
+)
 
 
 class HFModelRunner:
@@ -246,13 +253,9 @@ def _output_recorder(recorded: dict[int, torch.Tensor], index: int):
 
 
 def _record_past(cache: DynamicCache) -> None:
-    """Convolution and sliding-window layers keep their past until a crop; no recurrent states
-    are recorded (transformers 5.25 records them unless told 0; 5.24 takes no such argument)."""
-    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
-    if mixin is not None and "recurrent_states_to_keep" in inspect.signature(mixin.activate_past_recording).parameters:
-        cache.activate_past_recording(recurrent_states_to_keep=0)
-    else:
-        cache.activate_past_recording()
+    """Convolution and sliding-window layers keep their past until a crop; recurrent states are
+    not recorded (this runner never rolls one back)."""
+    cache.activate_past_recording(**_NO_RECURRENT_HISTORY)
 
 
 def _copy_state(attributes: dict) -> dict:
