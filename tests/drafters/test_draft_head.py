@@ -61,6 +61,7 @@ from specdecode.drafters.head import (
 from specdecode.errors import InvalidArgumentError
 from specdecode.runners import HFModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.runners.projection import int8_supported
 from specdecode.training import TrainConfig, data
 from specdecode.training.evaluate import held_out_acceptance
 from specdecode.training.features import collect
@@ -516,6 +517,38 @@ def test_auto_on_a_tree_target_tries_the_shipped_head_before_recycling(tree_targ
     assert all("recycling" not in r.stats.drafted_by_source for r in results)
     off = SpeculativeEngine.from_pretrained(folder, options=DrafterOptions(shipped_head=False), **common)
     assert [c.name for c in off.drafter.candidates] == ["recycling", "prompt-lookup", "suffix"]
+
+
+@pytest.mark.skipif(not int8_supported(), reason="no oneDNN int8 products in this torch")
+def test_over_a_w8a8_target_the_head_reads_the_embedding_the_target_reads_and_both_free_the_matrix(tmp_path):
+    """A tied embedding that w8a8 reads from its head's int8 codes: the head drafts through the
+    same lookups (its buffer of the 16-bit matrix dropped), the model's matrix is freed, and
+    greedy output is the 8-bit target's own target-only decoding."""
+    target = head64_llama(seed=2, dtype=torch.bfloat16, vocab_size=64, initializer_range=0.1, tie_word_embeddings=True)
+    vocabulary, layers, examples = examples_for(target, SpeculativeEngine(target, runner="transformers"), 64)
+    head = untrained_head(target, vocabulary, layers)
+    train(head, examples, TrainConfig(epochs=4, lr=2e-3))
+    save_head(head, tmp_path / "head")
+    engine = SpeculativeEngine.from_pretrained(
+        saved_target(target, 64, tmp_path / "target"),
+        quantization="w8a8",
+        dtype="bfloat16",
+        drafter="head",
+        draft=str(tmp_path / "head"),
+        num_speculative_tokens=4,
+        options=DrafterOptions(adaptive=False),
+    )
+    runner = engine.target_runner
+    if runner.embedding_kind != "int8 codes of the output head":
+        pytest.skip("this CPU's w8a8 head is oneDNN's prepacked weight: the embedding matrix stays")
+    assert runner.model.get_input_embeddings().weight.device.type == "meta"
+    assert "embed" not in dict(engine.drafter.fast.named_buffers())
+    assert engine.drafter.fast.token_embedding is runner.embedding
+    prompts = TREE_PROMPTS
+    results = engine.generate(prompts, max_new_tokens=30)
+    assert_drafted_and_accepted(results)
+    target_only = engine.generate(prompts, max_new_tokens=30, speculative=False)
+    assert [r.token_ids for r in results] == [r.token_ids for r in target_only]
 
 
 def test_the_cache_identity_of_a_head_is_its_weights_vocabulary_and_drafting(tiny, tmp_path):

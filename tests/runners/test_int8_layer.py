@@ -221,8 +221,8 @@ def test_hidden_states_come_from_the_c_layers_row_by_row():
     ids, new = tokens(30), tokens(6, seed=3)
     runner.forward(ids, 1)
     together = runner.forward(new, 6), runner.hidden
-    assert together[1].shape == (6, 3, runner.embed.shape[1])
-    assert torch.equal(together[1][:, 0], runner.embed[new])
+    assert together[1].shape == (6, 3, runner.model.config.hidden_size)
+    assert torch.equal(together[1][:, 0], runner.embedding(new))
     runner.crop(len(ids))
     alone = [(runner.forward(new[j : j + 1], 1), runner.hidden) for j in range(6)]
     assert torch.equal(together[0], torch.cat([logits for logits, _ in alone]))

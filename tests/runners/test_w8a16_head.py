@@ -159,8 +159,7 @@ def test_speculation_equals_target_only_decoding_of_the_same_engine():
 
 
 def test_the_head_is_int8_and_close_to_the_float_head():
-    """One int8 copy of the head (a tied embedding stays for lookups, no float copy beside it),
-    and logits close to the bf16 head's, not equal."""
+    """One int8 copy of the head and logits close to the bf16 head's, not equal."""
     model = head64_llama(0, torch.bfloat16, tie_word_embeddings=True)
     float_head = FastLlamaRunner(model, "w8a8", Int8Recipe(keep_float=("head",)))
     w8a16 = FastLlamaRunner(model, "w8a8", HEAD_W8A16)
@@ -170,10 +169,38 @@ def test_the_head_is_int8_and_close_to_the_float_head():
     a, b = float_head.forward(ids, 30), w8a16.forward(ids, 30)
     assert not torch.equal(a, b)
     assert (a - b).abs().max() < 0.05 * a.abs().max()
-    w8a16.release_model_weights()
-    assert w8a16.embed.device.type == "cpu"  # the tied embedding the lookups read
-    w8a16.reset()
-    assert torch.equal(w8a16.forward(ids, 30), b)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["packed codes", "plain codes"])
+def test_a_tied_embedding_is_read_from_the_head_s_codes_and_its_16_bit_copy_freed(kernel, monkeypatch):
+    """Row t is code row t times scale t (close to the embedding, not equal: 8 bits); a head with
+    a float copy keeps the embedding matrix; freed, the model's embedding leaves the same logits."""
+    if kernel and projection.own_kernel() is None:
+        pytest.skip("no AVX512-VNNI kernel or no gcc here")
+    if not kernel:
+        monkeypatch.setattr(projection, "own_kernel", lambda: None)
+    model = head64_llama(0, torch.bfloat16, tie_word_embeddings=True)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    r = FastLlamaRunner(model, "w8a8", HEAD_W8A16)
+    assert r.embedding_kind == "int8 codes of the output head"
+    assert (r.lm_head.compensation is not None) == kernel
+    ids = torch.tensor([0, 5, 17, 16, 255, 3, 3])
+    rows = r.embedding(ids)
+    expected = (r.lm_head.codes()[ids].float() * r.lm_head.scales[ids, None]).to(torch.bfloat16)
+    assert same_bits(rows, expected)
+    assert not torch.equal(rows, embedding[ids]) and (rows - embedding[ids]).abs().max() < 0.02 * embedding.abs().max()
+    untied = FastLlamaRunner(head64_llama(0, torch.bfloat16), "w8a8", HEAD_W8A16)
+    assert untied.embedding_kind == "the embedding matrix"
+    float_head = FastLlamaRunner(model, "w8a8", Int8Recipe(keep_float=("head",)))
+    assert float_head.embedding_kind == "the embedding matrix"
+    prompt = tokens(30)
+    before = r.forward(prompt, 30)
+    r.release_model_weights()
+    assert model.get_input_embeddings().weight.device.type == "meta"
+    assert model.get_output_embeddings().weight.device.type == "meta"
+    r.reset()
+    assert same_bits(r.forward(prompt, 30), before)
+    assert runner_variant(r) != runner_variant(untied)
 
 
 def test_recipes_name_w8a16_products_and_the_fingerprint_names_the_head():

@@ -113,6 +113,7 @@ def runner_variant(runner) -> list:
         getattr(runner, "per_query_attention", None),
         getattr(runner, "attention_kernel", None),  # the tree attention kernel's source, or "sdpa"
         getattr(runner, "layer_kernel", None),  # w8a8's decoder layers in C (int8_layer.py): other bits
+        getattr(runner, "embedding_kind", None),  # w8a8 may read a tied embedding from the head's codes
         getattr(runner, "_compiled_layers", None) is not None,
         sorted(products.items()),
     ]

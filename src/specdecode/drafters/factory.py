@@ -23,6 +23,7 @@ from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import InvalidArgumentError, VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary
 from specdecode.runners import ModelRunner, runner_for
+from specdecode.runners.projection import CodedEmbedding
 
 DRAFTERS = (
     "auto",
@@ -155,7 +156,11 @@ def _given_drafter(
         draft = shipped_head(getattr(target, "model", None), heads)
     if name in ("head", "auto") and is_head_folder(draft):
         # the head reads the target's embedding, norm and head rows: before they are freed
-        return HeadDrafter(load_head(draft, target.model), tree=verifies_trees(target))
+        head = load_head(draft, target.model)
+        embedding = getattr(target, "embedding", None)
+        if isinstance(embedding, CodedEmbedding):  # the target frees its embedding matrix
+            head.read_embeddings_from(embedding)
+        return HeadDrafter(head, tree=verifies_trees(target))
     if draft is not None:
         return _draft_model_drafter(name, draft, target, tokenizer, load, runner, options)
     return None

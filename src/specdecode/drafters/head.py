@@ -184,6 +184,15 @@ class DraftHead(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layer = HeadLayer(config)
         self.rows_product: Callable[[torch.Tensor], torch.Tensor] | None = None  # for_drafting's head rows
+        self.token_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None  # read_embeddings_from
+
+    def read_embeddings_from(self, embedding: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Look tokens up through `embedding` ([n] int64 -> [n, hidden]: a w8a8 target's, read from
+        its head's int8 codes) and drop the buffer of the target's embedding matrix, which the
+        target then frees. The head drafts from other inputs than it was trained on (an 8-bit
+        rounding of them); its drafts are verified whatever they are."""
+        self.token_embedding = embedding
+        del self.embed
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden]
         """The target's hidden states [n, len(feature_layers), hidden] as one feature per row."""
@@ -198,7 +207,8 @@ class DraftHead(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor] | None,  # keys, values [kv heads, c, head_dim]
         mask: torch.Tensor | None,  # [n, c + n] bool, True: attends; None: causal over the n rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # g [n, hidden], keys, values [kv, n, d]
-        x = self.fc(torch.cat([self.embed[tokens].float(), features], dim=-1))
+        embedded = self.embed[tokens] if self.token_embedding is None else self.token_embedding(tokens)
+        x = self.fc(torch.cat([embedded.float(), features], dim=-1))
         return self.layer(x, positions, past, mask)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:  # [n, draft vocab]
@@ -500,7 +510,8 @@ class HeadDrafter:
     def cache_identity(self) -> list:
         """What its drafts depend on besides the target's hidden states (the target the response
         cache keys by already): the head (head_digest) and how it drafts."""
-        return [head_digest(self.head), self.drafts_trees, self.branching, drafting_kind(self.fast)]
+        embedding = "the embedding matrix" if self.fast.token_embedding is None else "the target's embedding function"
+        return [head_digest(self.head), self.drafts_trees, self.branching, drafting_kind(self.fast), embedding]
 
     def begin(self, prompt_ids: list[int]) -> None:
         c = self.head.config

@@ -31,9 +31,11 @@ from specdecode.runners import int8_layer, smoothing, tree_attention
 from specdecode.runners import projection as projections
 from specdecode.runners.attention import attend, per_query_by_default
 from specdecode.runners.projection import (
+    CodedEmbedding,
     Int8Projection,
     Projection,
     W8A16Projection,
+    coded_embedding,
     has_vnni,
     int8_projection,
     int8_supported,
@@ -217,6 +219,13 @@ class FastLlamaRunner(StaticCacheRunner):
         return int8_layer.kernel_identity() if self._int8_layers is not None else None
 
     @property
+    def embedding_kind(self) -> str:
+        """Where token embeddings come from: "int8 codes of the output head" (a w8a8 head tied to
+        the embedding: projection.CodedEmbedding) or "the embedding matrix" (the response cache
+        fingerprints it)."""
+        return "int8 codes of the output head" if isinstance(self.embedding, CodedEmbedding) else "the embedding matrix"
+
+    @property
     def attention_kernel(self) -> str:
         """Which attention decoding and verification run (the response cache fingerprints it)."""
         return tree_attention.kernel_identity() if self.verifies_trees else "sdpa"
@@ -244,7 +253,6 @@ class FastLlamaRunner(StaticCacheRunner):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(config.max_position_embeddings)
         self.device, self.dtype = model.device, model.dtype
-        self.embed = model.get_input_embeddings().weight
         self.final_norm = model.model.norm.weight
         smooth = self.int8 is not None and self.int8.smoothing > 0
         maxima = smoothing.input_maxima(model, self.int8.calibration_ids(self.vocab_size)) if smooth else None
@@ -255,6 +263,13 @@ class FastLlamaRunner(StaticCacheRunner):
                 s = smoothing.factors(maxima[-1]["head"], head, self.int8.smoothing)  # [hidden]
                 self.final_norm, head = (self.final_norm.float() / s).to(self.final_norm.dtype), head.float() * s
         self.lm_head = self._product("head", head, None)
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        head_smoothed = smooth and self.int8.mode("head") == "w8a8"
+        # the embedding rows from the head's codes where a quantized head was the embedding itself
+        coded = coded_embedding(self.lm_head, self.dtype) if tied and not head_smoothed else None
+        self.embedding: Callable[[torch.Tensor], torch.Tensor] = coded or _DenseEmbedding(
+            model.get_input_embeddings().weight
+        )  # token ids [n] -> [n, hidden]
         self.layers = [self._fuse(layer, maxima[i] if smooth else None) for i, layer in enumerate(model.model.layers)]
         self._hidden_layers: tuple[int, ...] = ()
         self.hidden: torch.Tensor | list[torch.Tensor] | None = None  # see hidden_layers
@@ -345,7 +360,7 @@ class FastLlamaRunner(StaticCacheRunner):
             cache.reserve(n)
         if self._cos.shape[0] < max(cache.capacity for cache in caches):
             self._rope_tables(max(cache.capacity for cache in caches))
-        x = F.embedding(torch.cat(token_ids).to(self.device), self.embed)  # [sum n_i, hidden]
+        x = self.embedding(torch.cat(token_ids).to(self.device))  # [sum n_i, hidden]
         cos = torch.cat([self._rows(self._cos, c.length, n, tree) for c, n, tree in zip(caches, sizes, trees)])
         sin = torch.cat([self._rows(self._sin, c.length, n, tree) for c, n, tree in zip(caches, sizes, trees)])
         total = sum(sizes)
@@ -519,13 +534,17 @@ class FastLlamaRunner(StaticCacheRunner):
             attn, mlp = layer.self_attn, layer.mlp
             yield from (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)  # fused: new tensors
             yield from (m for m, p in ((attn.o_proj, fused.o), (mlp.down_proj, fused.down)) if p.is_copy)
-        head = self.model.get_output_embeddings()
-        if self.lm_head.is_copy and head.weight is not self.model.get_input_embeddings().weight:
-            yield head  # a head tied to the embedding stays: the embedding reads it
+        head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        coded = isinstance(self.embedding, CodedEmbedding)
+        if self.lm_head.is_copy and (head.weight is not embedding.weight or coded):
+            yield head  # a head tied to a dense embedding stays: the embedding reads it
+        if coded:
+            yield embedding
 
     def _rope_tables(self, length: int) -> None:
         positions = torch.arange(length, device=self.device)[None]
-        cos, sin = self._rotary(self.embed[:1][None], positions)  # transformers' own rope tables
+        like = torch.empty(1, 1, self.head_dim, dtype=self.dtype, device=self.device)  # its dtype and device
+        cos, sin = self._rotary(like, positions)  # transformers' own rope tables
         self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
 
     @torch.no_grad()  # folded weights keep no autograd graph (it would hold float copies of them)
@@ -572,6 +591,14 @@ class FastLlamaRunner(StaticCacheRunner):
         if name == "head" or self.quantization != "int8-weight-only":
             return projection(weight, bias, None)
         return projection(weight, bias, "int8")
+
+
+class _DenseEmbedding:
+    def __init__(self, weight: torch.Tensor):  # [vocab, hidden], the model's own parameter
+        self.weight = weight
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [n] int64 -> [n, hidden]
+        return F.embedding(ids, self.weight)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -373,6 +373,37 @@ def int8_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Proj
     return Int8Projection(packed, scales, zero_points, bias, shape)
 
 
+class CodedEmbedding:
+    """Token embeddings read from the int8 codes of an output head tied to them: row t is code
+    row t times channel t's scale, in float32, rounded to the model's dtype. A w8a8 runner whose
+    head was quantized from a tied embedding (SmolLM2's) then needs no second, 16-bit copy of
+    that matrix (49,152 x 576 x 2 bytes = 56.6 MB there). 8-bit embeddings make another model,
+    as 8-bit products do: docs/quantization.md states its perplexity."""
+
+    def __init__(self, head: Int8Projection | W8A16Projection, dtype: torch.dtype):
+        self.head, self.dtype = head, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [n] int64 -> [n, hidden] of dtype
+        return (code_rows(self.head.weight, ids).float() * self.head.scales[ids, None]).to(self.dtype)
+
+
+def code_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # -> [n, in] int8
+    """Output channels `ids` of int8 codes [out, in], or of int8_kernel's packed layout
+    [groups, in / 4, GROUP, 4] (a channel's codes: one column of every quad)."""
+    if weight.dim() == 2:
+        return weight[ids]
+    group = weight.shape[2]
+    return weight[ids // group, :, ids % group].reshape(ids.shape[0], -1)  # [n, in / 4, 4] -> [n, in]
+
+
+def coded_embedding(head: object, dtype: torch.dtype) -> CodedEmbedding | None:
+    """The embedding in a quantized head's codes, where they can be read: not in oneDNN's
+    prepacked weight (an opaque tensor), whose w8a8 heads keep the embedding as it is."""
+    if isinstance(head, W8A16Projection) or (isinstance(head, Int8Projection) and head.compensation is not None):
+        return CodedEmbedding(head, dtype)
+    return None
+
+
 def own_kernel() -> int8_kernel.Int8Kernel | None:
     """This package's int8 product kernel where it runs: built with AVX512-VNNI, on a CPU whose
     flags list it, and oneDNN not capped below VNNI (a cap stands for a CPU without it: CPUs with
