@@ -2,8 +2,12 @@
 
 A shared library is compiled with gcc for this CPU (-march=native) into a per-user cache
 directory, named by a hash of the source, the compiler, its flags and the CPU's flags, so that
-a binary built for one CPU never runs on another sharing the disk. The kernels' modules
-(tree_attention.py, int8_kernel.py) turn a failure into one warning and their torch path.
+a binary built for one CPU never runs on another sharing the disk. Beside each library lies its
+SHA-256 (`<name>.so.sha256`): ctypes would load any file at that name, and one cut short by a crash
+or a full disk kills the process with SIGBUS rather than raising, so a cached library is loaded
+only where its bytes match the digest, and is compiled again into place where they do not. The
+kernels' modules (tree_attention.py, int8_kernel.py, int8_layer.py) turn a failure into one
+warning and their torch path.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -20,6 +25,8 @@ from pathlib import Path
 import torch
 
 from specdecode.cpu import cpu_flags
+
+log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 # no FMA contraction, no reassociation: the C expressions are the arithmetic (see the sources)
@@ -69,7 +76,11 @@ def _compiler_version(compiler: str) -> str:
 def open_library(path: Path, abi_version: int) -> ctypes.CDLL:
     """Loads a built library; OSError if it is another ABI or brought a second OpenMP runtime."""
     library = ctypes.CDLL(str(path))
-    if library.sd_abi_version() != abi_version:
+    try:
+        version = library.sd_abi_version()
+    except AttributeError as error:  # another library at that path: the callers' fallback is for OSError
+        raise OSError(f"{path} is not a specdecode kernel (no sd_abi_version)") from error
+    if version != abi_version:
         raise OSError(f"{path} is not ABI version {abi_version}")
     if len(_libgomp_files()) > 1:
         raise OSError(f"loading {path} brought a second OpenMP runtime beside torch's")
@@ -89,11 +100,47 @@ def cache_dir() -> Path:
     return Path(base) / "specdecode"
 
 
+def library_path(source: Path, key: str) -> Path:
+    return cache_dir() / f"{source.stem}-{key}.so"
+
+
+def digest_path(library: Path) -> Path:
+    """Where a library's SHA-256 is recorded, as `sha256sum` writes it (so `sha256sum -c` checks it)."""
+    return library.with_name(library.name + ".sha256")
+
+
 def build(source: Path, key: str) -> Path:
-    """The shared library of a source for this key, compiled unless the cache holds it."""
-    target = cache_dir() / f"{source.stem}-{key}.so"
-    if target.exists():
+    """The shared library of a source for this key: the cached one where its bytes match their
+    recorded digest, else compiled (again) into place."""
+    target = library_path(source, key)
+    if _verified(target):
         return target
+    return _compile(source, target)
+
+
+def _verified(library: Path) -> bool:
+    """Whether the library's bytes are those its digest names. The file is read, never mapped,
+    so a truncated one cannot fault here. Quiet when it does not match: it is compiled again,
+    and only a failed build is the callers' one warning."""
+    try:
+        recorded = digest_path(library).read_text().split()[:1]
+        actual = _sha256(library)
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        log.info("compiling %s again: it cannot be verified (%s)", library, error)
+        return False
+    if recorded != [actual]:
+        log.info("compiling %s again: its bytes do not match their recorded digest", library)
+        return False
+    return True
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _compile(source: Path, target: Path) -> Path:
     compiler = shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no gcc on PATH")
@@ -107,8 +154,48 @@ def build(source: Path, key: str) -> Path:
         )
         if result.returncode != 0:
             raise RuntimeError(f"gcc failed: {result.stderr.strip()[:500]}")
-        os.replace(partial, target)
+        _install(Path(partial), target)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
     return target
+
+
+def _install(partial: Path, target: Path) -> None:
+    """Renames a compiled library into place with its digest, each durable before its rename.
+    The digest goes first: whatever a crash leaves, the library at the target is either the one
+    its digest names, complete on disk, or one that does not verify and is compiled again."""
+    _fsync(partial)
+    _write_durably(digest_path(target), f"{_sha256(partial)}  {target.name}\n")
+    os.replace(partial, target)
+    _fsync_directory(target.parent)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    fd, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Makes the renames durable. Some filesystems refuse fsync on a directory: the files are
+    already durable there, and a lost rename only means compiling again."""
+    try:
+        _fsync(directory)
+    except OSError as error:
+        log.debug("fsync of %s refused (%s)", directory, error)
