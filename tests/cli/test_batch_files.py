@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from specdecode import SpeculativeEngine
@@ -23,6 +24,11 @@ def lines(model: str) -> list[dict]:
     ]
 
 
+def key(record: dict) -> str | int:
+    """What ties an answer to its input line: its custom_id, or for a line without one its number."""
+    return record["custom_id"] if record["custom_id"] is not None else record["error"]["line"]
+
+
 def run(tmp_path, model_dir: str, output):
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(json.dumps(line) for line in lines(model_dir)) + "\n{not json\n")
@@ -34,8 +40,8 @@ def test_every_line_is_answered_once_as_the_server_would(tmp_path, tiny_model_di
     output = tmp_path / "out.jsonl"
     result = run(tmp_path, tiny_model_dir, output)
     assert result.exit_code == 0, result.output
-    records = {r["custom_id"]: r for r in map(json.loads, output.read_text().splitlines())}
-    assert sorted(records) == ["bad-url", "bad-value", "c1", "c2", "c3", "line-6"]
+    records = {key(r): r for r in map(json.loads, output.read_text().splitlines())}
+    assert sorted(records, key=str) == [6, "bad-url", "bad-value", "c1", "c2", "c3"]
     engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
     expected = engine.generate("w1 w2 w3 w1", max_new_tokens=6)[0]
     body = records["c1"]["response"]["body"]
@@ -45,18 +51,18 @@ def test_every_line_is_answered_once_as_the_server_would(tmp_path, tiny_model_di
     assert records["bad-value"]["response"]["status_code"] == 400
     assert records["bad-value"]["response"]["body"]["error"]["param"] == "max_tokens"
     assert records["bad-url"]["error"]["code"] == "invalid_request" and records["bad-url"]["response"] is None
-    assert records["line-6"]["error"]["code"] == "invalid_json"
+    assert records[6]["custom_id"] is None and records[6]["error"]["code"] == "invalid_json"
 
 
 def test_a_rerun_answers_only_what_is_missing(tmp_path, tiny_model_dir):
     output = tmp_path / "out.jsonl"
     assert run(tmp_path, tiny_model_dir, output).exit_code == 0
-    kept = output.read_text().splitlines()[:2]
-    output.write_text("\n".join(kept) + '\n{"custom_id": "c')  # a run killed mid-write
+    kept = output.read_text().splitlines()[:3]
+    output.write_text("\n".join(kept[:2]) + "\n" + kept[2][:40])  # a run killed mid-write
     result = run(tmp_path, tiny_model_dir, output)
     assert result.exit_code == 0 and "4 answered" in result.output
-    ids = [json.loads(text)["custom_id"] for text in output.read_text().splitlines() if text.startswith('{"id"')]
-    assert sorted(ids) == ["bad-url", "bad-value", "c1", "c2", "c3", "line-6"]  # each exactly once
+    keys = [key(json.loads(text)) for text in output.read_text().splitlines()]
+    assert sorted(keys, key=str) == [6, "bad-url", "bad-value", "c1", "c2", "c3"]  # each exactly once
     again = run(tmp_path, tiny_model_dir, output)
     assert again.exit_code == 0 and "0 answered" in again.output
 
@@ -128,3 +134,67 @@ def test_a_resumed_run_parses_each_finished_line_once(tmp_path, tiny_model_dir, 
     assert len(parses) <= finished, f"{len(parses)} parses of {finished} finished lines"
     ids = [loads(text)["custom_id"] for text in output.read_text().splitlines()]
     assert sorted(ids) == sorted(f"r{i}" for i in range(finished + 2))
+
+
+def test_a_finished_last_answer_without_its_newline_is_kept(tmp_path, tiny_model_dir):
+    """A run killed between an answer and its '\\n' leaves a complete last line: a rerun counts
+    it as done and keeps it, ending it with its newline (only a line cut short is dropped)."""
+    output = tmp_path / "out.jsonl"
+    assert run(tmp_path, tiny_model_dir, output).exit_code == 0
+    finished = output.read_text()
+    output.write_text(finished.removesuffix("\n"))
+    result = run(tmp_path, tiny_model_dir, output)
+    assert result.exit_code == 0 and "0 answered" in result.output, result.output
+    assert output.read_text() == finished
+
+
+def answer_line(custom_id, error=None) -> str:
+    return json.dumps({"id": "batch_req_1", "custom_id": custom_id, "response": None, "error": error})
+
+
+NOT_THIS_INPUTS_OUTPUT = {
+    "text": "notes\nthe last line, with no newline",
+    "one line of text": "a whole file of one line, with no newline",
+    "JSON of another shape": '{"custom_id": "c1", "answer": 42}\n',
+    "an answer of another input": answer_line("c1") + "\n" + answer_line("other"),
+    "an answer for a line that has an id": answer_line(None, {"code": "invalid_json", "message": "m", "line": 1}),
+}
+
+
+@pytest.mark.parametrize("content", NOT_THIS_INPUTS_OUTPUT.values(), ids=NOT_THIS_INPUTS_OUTPUT.keys())
+def test_an_output_that_is_not_this_inputs_is_refused_and_left_as_it_is(tmp_path, tiny_model_dir, content):
+    output = tmp_path / "notes.txt"
+    output.write_bytes(content.encode())
+    result = run(tmp_path, tiny_model_dir, output)
+    assert result.exit_code == 2 and "--output" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert output.read_bytes() == content.encode()
+
+
+def test_an_empty_output_file_is_filled(tmp_path, tiny_model_dir):
+    output = tmp_path / "out.jsonl"
+    output.touch()
+    result = run(tmp_path, tiny_model_dir, output)
+    assert result.exit_code == 0 and "6 answered" in result.output, result.output
+    assert len(output.read_text().splitlines()) == 6
+
+
+def test_an_invalid_lines_answer_never_takes_a_real_id(tmp_path, tiny_model_dir):
+    """A line with no id is answered with custom_id null and its number in error.line, so a real
+    custom_id "line-3" and an invalid line 3 each get their own answer, and a rerun tells them apart."""
+    first, second = lines(tiny_model_dir)[:2]
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps(first) + "\n" + json.dumps(second | {"custom_id": "line-3"}) + "\n{not json\n")
+    args = ["batch", str(source), "--output", str(output), "--target", tiny_model_dir]
+    result = CliRunner().invoke(cli_app, args)
+    assert result.exit_code == 0, result.output
+    answers = {key(json.loads(text)): text for text in output.read_text().splitlines()}
+    assert sorted(answers, key=str) == [3, "c1", "line-3"]
+    assert json.loads(answers["line-3"])["response"]["status_code"] == 200
+    assert json.loads(answers[3])["error"]["code"] == "invalid_json"
+    for kept in ("line-3", 3):
+        output.write_text(answers[kept] + "\n")
+        again = CliRunner().invoke(cli_app, args)
+        assert again.exit_code == 0 and "2 answered" in again.output, again.output
+        keys = [key(json.loads(text)) for text in output.read_text().splitlines()]
+        assert sorted(keys, key=str) == [3, "c1", "line-3"]  # each exactly once

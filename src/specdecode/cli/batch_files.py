@@ -30,7 +30,7 @@ from specdecode.errors import InvalidArgumentError
 
 def batch(
     input: Annotated[str, typer.Argument(help="JSONL in the OpenAI Batch API format (custom_id, method, url, body).")],
-    output: Annotated[str, typer.Option(help="JSONL of answers; a rerun skips the custom_ids already in it.")],
+    output: Annotated[str, typer.Option(help="JSONL of answers: a new or empty file, or this input's, to resume.")],
     target: TargetOption = SERVER.target,
     draft: DraftOption = SERVER.draft,
     drafter: DrafterOption = SERVER.drafter,
@@ -67,7 +67,8 @@ def batch(
 
             ray_cluster.check_replicas(replicas, replica_cpus)
         lines = read_requests(source)
-        todo = pending(lines, destination)  # the output is read once: resuming stays linear
+        # the output is read once (resuming stays linear), and refused if not this input's before the model loads
+        todo = pending(lines, destination)
         left = len(todo)
         if on_ray:
             ray_cluster.connect(ray_address)

@@ -6,8 +6,10 @@ Each input line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions
 {"status_code", "request_id", "body"}, "error"}`, the body exactly what `specdecode serve`
 answers, because the lines are sent to the same app, in process, several at a time so that
 continuous batching decodes them together. A line that is not a request gets an output line
-with its error, never a crash. Resumable: a rerun skips the custom_ids already in the output
-and appends the rest, so every input line appears in the output exactly once, with its id.
+with its error, never a crash; one with no custom_id of its own is answered with custom_id null
+and its line number in error.line (an id invented for it could be a real line's). Resumable: a
+rerun skips the lines already answered in the output and appends the rest, so every input line
+appears in the output exactly once; an output that is not this input's is refused, untouched.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from fastapi.testclient import TestClient
 from specdecode.errors import InvalidArgumentError
 
 URLS = ("/v1/chat/completions", "/v1/completions")
+BOM = b"\xef\xbb\xbf"  # a byte-order mark some editors write
+ANSWER_FIELDS = {"id", "custom_id", "response", "error"}
+ANSWER_START = '{"id": "batch_req_'  # how every line write_answers writes begins (answer(), json.dumps)
 
 
 def jsonl_lines(path: Path) -> Iterator[tuple[int, str | None]]:
@@ -32,7 +37,7 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, str | None]]:
     Only '\\n' ends a line ('\\r\\n' too: the '\\r' is dropped). str.splitlines() would also
     split at U+2028, U+0085 and other characters that JSON allows, unescaped, inside a string,
     and so cut a valid request in two."""
-    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a byte-order mark some editors write
+    data = path.read_bytes().removeprefix(BOM)
     for number, raw in enumerate(data.split(b"\n"), start=1):
         try:
             yield number, raw.removesuffix(b"\r").decode("utf-8")
@@ -52,29 +57,86 @@ def read_requests(path: Path) -> list[dict]:
             raise InvalidArgumentError(
                 f"{path}:{number}: custom_id '{line['custom_id']}' appears twice; ids must be unique"
             )
-        seen.add(line["custom_id"])
+        if line["custom_id"] is not None:  # a line with no id is told apart by its number
+            seen.add(line["custom_id"])
         lines.append(line)
     return lines
 
 
-def done_ids(path: Path) -> set[str]:
-    """The custom_ids already answered in an output file (a half-written last line is ignored).
-    Reads the file once: call it once per run, not once per line."""
-    if not path.exists():
+def line_key(record: dict) -> str | int | None:
+    """What ties an input line and its answer: the custom_id, or for a line without one its number
+    (error.line), an int, so that it can never equal an id; None where record has neither."""
+    custom_id, error = record.get("custom_id"), record.get("error")
+    if isinstance(custom_id, str):
+        return custom_id
+    if custom_id is None and isinstance(error, dict) and type(error.get("line")) is int:
+        return error["line"]
+    return None
+
+
+def done_keys(output: Path, keys: set[str | int]) -> set[str | int]:
+    """The keys (line_key) of the input lines already answered in output. Reads the file once:
+    call it once per run, not once per line. Every line of output must answer one of keys, but
+    for a last line cut short by a killed run (write_answers drops it); any other file is refused,
+    before anything is written to it, as it may be a file of the user's that --output misnames."""
+    if not output.exists():
         return set()
-    ids = set()
-    for _, text in jsonl_lines(path):
-        try:
-            ids.add(json.loads(text)["custom_id"])
-        except (ValueError, KeyError, TypeError):
+    if not output.is_file():
+        raise _not_this_inputs(output, "it is not a file")
+    found = list(jsonl_lines(output))
+    done = set()
+    for number, text in found:
+        if text is not None and not text.strip():
             continue
-    return ids
+        record = _json(text)
+        if record is None and number == len(found) and _cut_short(text):
+            continue
+        key = line_key(record) if _is_answer(record) else None
+        if key not in keys:
+            raise _not_this_inputs(output, _why_not(number, key))
+        done.add(key)
+    return done
 
 
 def pending(lines: list[dict], output: Path) -> list[dict]:
-    """The lines whose custom_id is not yet in output, in input order."""
-    done = done_ids(output)
-    return [line for line in lines if line["custom_id"] not in done]
+    """The lines not yet answered in output, in input order (done_keys: output must be this
+    input's)."""
+    done = done_keys(output, {line_key(line) for line in lines})
+    return [line for line in lines if line_key(line) not in done]
+
+
+def _json(text: str | None) -> object:
+    """text's JSON value; None where text is no JSON (or JSON null, which no answer is)."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_answer(record: object) -> bool:
+    """Whether record has the shape of an output line (answer())."""
+    return isinstance(record, dict) and record.keys() == ANSWER_FIELDS and isinstance(record["id"], str)
+
+
+def _cut_short(text: str | None) -> bool:
+    """Whether text is the start of a line write_answers was writing when its run was killed."""
+    return text is not None and (text.startswith(ANSWER_START) or ANSWER_START.startswith(text))
+
+
+def _why_not(number: int, key: str | int | None) -> str:
+    if key is None:
+        return f"its line {number} is not a batch answer"
+    if isinstance(key, int):
+        return f"its line {number} answers an input line {key} with no custom_id, which this input does not have"
+    return f"its line {number} answers custom_id '{key}', which this input does not have"
+
+
+def _not_this_inputs(output: Path, why: str) -> InvalidArgumentError:
+    message = (
+        "output must be a new or empty file, or this input's batch output to resume it; "
+        f"{output} is neither ({why}) and is left as it is"
+    )
+    return InvalidArgumentError(message, param="output")  # the CLI says --output
 
 
 def run_batch(
@@ -97,7 +159,7 @@ def write_answers(
 ) -> int:
     """Append to output an answer for every line of todo (pending(): those not yet in it), as
     `answers(todo)` yields them (in any order: each carries its custom_id); the number answered."""
-    _drop_partial_line(output)
+    _end_last_line(output)
     with output.open("a") as out:
         for record in answers(todo):
             out.write(json.dumps(record) + "\n")
@@ -106,13 +168,20 @@ def write_answers(
     return len(todo)
 
 
-def _drop_partial_line(path: Path) -> None:
-    """A run killed mid-write leaves half a line: cut it, so appended lines start clean."""
+def _end_last_line(path: Path) -> None:
+    """A run killed mid-write leaves a last line without its newline: end it where it is a
+    complete answer (done_keys counted it as done), else cut it, so appended lines start clean."""
     if not path.exists():
         return
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    if _is_answer(_json(data[start:].removeprefix(BOM).decode("utf-8", "replace"))):
+        with path.open("ab") as out:
+            out.write(b"\n")
+    else:
+        path.write_bytes(data[:start])
 
 
 def answer(client: TestClient, line: dict) -> dict:
@@ -135,20 +204,24 @@ def answer(client: TestClient, line: dict) -> dict:
 
 def _parse(text: str | None, number: int) -> dict:
     if text is None:
-        message = f"line {number}: not UTF-8 text; JSONL is UTF-8"
-        return {"custom_id": f"line-{number}", "error": {"code": "invalid_json", "message": message}}
+        return _invalid(number, None, "invalid_json", "not UTF-8 text; JSONL is UTF-8")
     try:
         line = json.loads(text)
     except ValueError as error:
-        return {"custom_id": f"line-{number}", "error": {"code": "invalid_json", "message": f"line {number}: {error}"}}
+        return _invalid(number, None, "invalid_json", str(error))
     if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str):
-        message = f"line {number}: needs a string custom_id"
-        return {"custom_id": f"line-{number}", "error": {"code": "invalid_request", "message": message}}
+        return _invalid(number, None, "invalid_request", "needs a string custom_id")
     problem, param = _problem(line)
     if problem is not None:
-        error = {"code": "invalid_request", "message": f"line {number}: {problem}"}
-        return {"custom_id": line["custom_id"], "error": error | ({"param": param} if param else {})}
+        return _invalid(number, line["custom_id"], "invalid_request", problem, param)
     return line
+
+
+def _invalid(number: int, custom_id: str | None, code: str, problem: str, param: str | None = None) -> dict:
+    """An input line that is no request, with its error. The line number is kept in error.line
+    (as OpenAI's batch errors do): for a line with no custom_id it is what tells its answer apart."""
+    error = {"code": code, "message": f"line {number}: {problem}", "line": number}
+    return {"custom_id": custom_id, "error": error | ({"param": param} if param else {})}
 
 
 def _problem(line: dict) -> tuple[str | None, str | None]:
