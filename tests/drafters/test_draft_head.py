@@ -7,7 +7,9 @@ trained in seconds inside the tests.
 - sampling with the head's q (zero off its vocabulary) keeps the target's law (G-test), and a
   q that is not zero there is caught (negative control);
 - a head saved and loaded drafts the same; an interrupted training resumed from its checkpoint
-  ends with bitwise the weights of an uninterrupted one (and another seed's differ);
+  ends with bitwise the weights of an uninterrupted one (and another seed's differ); a damaged
+  checkpoint is refused in one line naming --restart-training, and a checkpoint is fsynced
+  before it replaces the last one;
 - a head records its target's fingerprint (the same in float32 and bfloat16, and from a saved
   folder): `shipped_head` finds the head trained for the target and never another's, `auto`
   drafts with it (greedy output transformers' own, the head's drafts kept; before recycling
@@ -18,7 +20,9 @@ trained in seconds inside the tests.
 from __future__ import annotations
 
 import copy
+import io
 import json
+import os
 
 import pytest
 import torch
@@ -62,7 +66,7 @@ from specdecode.errors import InvalidArgumentError
 from specdecode.runners import HFModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.projection import int8_supported
-from specdecode.training import TrainConfig, data
+from specdecode.training import TrainConfig, data, trainer
 from specdecode.training.evaluate import held_out_acceptance
 from specdecode.training.features import collect
 from specdecode.training.trainer import train
@@ -365,6 +369,44 @@ def test_a_checkpoint_of_another_vocabulary_or_features_is_refused_in_one_line(t
     other_vocabulary = vocabulary.flip(0)  # the same size, other tokens: shapes alone would not tell
     with pytest.raises(InvalidArgumentError, match="another shape or vocabulary"):
         weights_after(target, other_vocabulary, layers, examples, config, tmp_path / "c.pt")
+
+
+DAMAGE = {
+    "cut short": lambda whole: whole[: len(whole) // 2],
+    "empty": lambda whole: b"",
+    "garbage": lambda whole: b"\x80\x02not a checkpoint" * 8,
+    "another file": lambda whole: _saved({"weights": torch.zeros(2)}),
+}
+
+
+def _saved(contents) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(contents, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_restart_training(tiny, tmp_path, damage):
+    target, _, head, _, examples = tiny
+    vocabulary, layers = head.vocabulary, head.config.feature_layers
+    config = TrainConfig(epochs=1, batch=8, checkpoint_every=1)
+    checkpoint = tmp_path / "checkpoint.pt"
+    weights_after(target, vocabulary, layers, examples, config, checkpoint)
+    checkpoint.write_bytes(DAMAGE[damage](checkpoint.read_bytes()))
+    with pytest.raises(InvalidArgumentError, match="rerun with --restart-training") as refused:
+        weights_after(target, vocabulary, layers, examples, config, checkpoint)
+    assert str(checkpoint) in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_checkpoint_is_on_disk_before_it_replaces_the_last_one(tiny, tmp_path, monkeypatch):
+    """A kill or a lost machine after the rename finds the whole new file, never one cut short."""
+    target, _, head, _, examples = tiny
+    events, replace = [], os.replace
+    monkeypatch.setattr(trainer.os, "fsync", lambda fd: events.append("fsync"))
+    monkeypatch.setattr(trainer.os, "replace", lambda *paths: events.append("replace") or replace(*paths))
+    config = TrainConfig(epochs=1, batch=8, checkpoint_every=2)  # 4 steps: checkpoints after 2 and 4
+    weights_after(target, head.vocabulary, head.config.feature_layers, examples, config, tmp_path / "c.pt")
+    assert events == ["fsync", "replace"] * 2
 
 
 # --- data ---

@@ -4,7 +4,7 @@ Everything it writes goes to --output: the data, chunk by chunk, and data.jsonl 
 a rerun goes on where an interrupted one stopped), checkpoint.pt (trainer.py), the head
 (config.json, head.safetensors, vocabulary.json) and summary.json. Run again with the same
 options after an interruption, it ends with the data and the weights of an uninterrupted run;
---restart discards what an earlier run left.
+--restart discards what an earlier run left, --restart-training only its checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from specdecode.drafters.head import DraftHead, eagle3_layers, head_config, new_
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
-from specdecode.training import data, datafiles
+from specdecode.training import data, datafiles, trainer
 from specdecode.training.evaluate import HELD_OUT, held_out_acceptance
 from specdecode.training.features import collect
 from specdecode.training.trainer import TrainConfig, train
@@ -47,11 +47,13 @@ def train_draft(
     dtype: str = "auto",
     progress: bool = True,
     restart: bool = False,
+    restart_training: bool = False,
 ) -> dict:
     """Train a draft head for target and save it in output; returns the summary (also in
     output/summary.json). prompts: a JSONL file of prompts (else Magpie instructions the
     target writes); held_out: the prompts acceptance is measured on (default evaluate.HELD_OUT);
-    restart: discard the data and checkpoint an earlier run left in output."""
+    restart: discard the data and checkpoint an earlier run left in output; restart_training: the
+    checkpoint alone (a damaged one, or one of other training options), keeping the data."""
     config = config or TrainConfig()
     if features not in FEATURES:
         raise InvalidArgumentError(f"unknown features '{features}'; choose one of: {', '.join(FEATURES)}", "features")
@@ -61,6 +63,8 @@ def train_draft(
         )
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
+    if restart_training:
+        trainer.discard_checkpoint(output / trainer.CHECKPOINT)
     held_out = HELD_OUT if held_out is None else held_out
     console = Console(stderr=True, quiet=not progress)
     engine = target if isinstance(target, SpeculativeEngine) else _engine(target, dtype)
@@ -87,7 +91,7 @@ def train_draft(
         def on_step(step: int, total: int, loss: float) -> None:
             bars.update(task, completed=step, total=total, description=f"training ({config.loss}, loss {loss:.3f})")
 
-        state = train(head, examples, config, output / "checkpoint.pt", on_step)
+        state = train(head, examples, config, output / trainer.CHECKPOINT, on_step)
         timings["training_s"] = time.perf_counter() - start
     head.config.training.update(_training_record(config, features, chosen, state))
     save_head(head, output)
@@ -178,12 +182,29 @@ def train_draft_command(
     restart: Annotated[
         bool, typer.Option(help="Discard the data and checkpoint an earlier run left in --output; start over.")
     ] = False,
+    restart_training: Annotated[
+        bool,
+        typer.Option(
+            help="Discard only the training checkpoint in --output (a damaged one, or one of other training "
+            "options) and train afresh on the data there."
+        ),
+    ] = False,
 ) -> None:
     """Train a draft head (EAGLE-style) for a target: Magpie data, one target pass, training."""
     torch.manual_seed(seed)
     config = TrainConfig(loss, unroll, epochs, lr, batch, seed=seed, checkpoint_every=checkpoint_every)
     train_draft(
-        target, output, samples, prompts, vocab_size, features, config, max_new_tokens, dtype=dtype, restart=restart
+        target,
+        output,
+        samples,
+        prompts,
+        vocab_size,
+        features,
+        config,
+        max_new_tokens,
+        dtype=dtype,
+        restart=restart,
+        restart_training=restart_training,
     )
 
 

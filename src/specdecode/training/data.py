@@ -10,10 +10,11 @@ never trained on; a Spec-Bench file is refused (the benchmark measures what the 
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -98,10 +99,7 @@ def read_prompts(path: str | Path, held_out: list[str]) -> list[str]:
     """Prompts from a JSONL file: one object a line with "prompt" (or "instruction", "text"),
     deduplicated, held-out prompts left out. Spec-Bench's question file is refused."""
     prompts, seen = [], {normalized(p) for p in held_out}
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for number, record in jsonl_objects(Path(path), "prompts", 'write each line as one {"prompt": ...} object'):
         if "question_id" in record and "turns" in record:
             raise InvalidArgumentError(
                 f"{path} is a Spec-Bench question file: a head must not train on the benchmark it is measured on",
@@ -178,4 +176,38 @@ def save_samples(samples: list[Sample], path: Path) -> None:
 
 
 def load_samples(path: Path) -> list[Sample]:
-    return [Sample(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    # made by hand, or by train-draft from answers.jsonl, which a deleted data.jsonl is made again from
+    fix = f"mend the line, or delete {path} to make the data again"
+    return [_sample(record, f"{path}, line {number}", fix) for number, record in jsonl_objects(path, "output", fix)]
+
+
+def _sample(record: dict, where: str, fix: str) -> Sample:
+    try:
+        return Sample(**record)
+    except TypeError:  # keys missing or unknown
+        raise InvalidArgumentError(
+            f"{where}, is not a sample (prompt_ids, answer_ids, sampled): {fix}", "output"
+        ) from None
+
+
+def jsonl_objects(path: Path, param: str, fix: str) -> Iterator[tuple[int, dict]]:
+    """The JSON objects of a JSONL file, each with its line number (from 1); blank lines skipped.
+    Lines end at "\n" alone: str.splitlines also breaks at U+2028, U+2029 and U+0085, which a
+    JSON string may hold unescaped. A line that is not a JSON object is refused in one line
+    naming it, and fix (what to do), as an error of the argument param."""
+    raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # as some editors start a UTF-8 file
+    for number, line in enumerate(raw.split(b"\n"), 1):
+        if line.strip():
+            yield number, _json_object(line, f"{path}, line {number}", param, fix)
+
+
+def _json_object(line: bytes, where: str, param: str, fix: str) -> dict:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"{where}, is not UTF-8 text: {fix}", param) from None
+    except json.JSONDecodeError as error:
+        raise InvalidArgumentError(f"{where}, is not JSON ({error.msg}: column {error.colno}): {fix}", param) from None
+    if not isinstance(record, dict):
+        raise InvalidArgumentError(f"{where}, is not a JSON object: {fix}", param)
+    return record

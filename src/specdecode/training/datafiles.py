@@ -30,7 +30,7 @@ from pathlib import Path
 
 from specdecode.drafters.head import target_fingerprint
 from specdecode.errors import InvalidArgumentError
-from specdecode.training import data
+from specdecode.training import data, trainer
 
 MANIFEST = "data-manifest.json"
 INSTRUCTIONS = "instructions.jsonl"
@@ -104,14 +104,14 @@ def make_data(
     if (output / DATA).is_file() and not (output / MANIFEST).is_file():
         bars.console.print(f"training on {output / DATA} (made elsewhere: no {MANIFEST})")
         return data.load_samples(output / DATA)
+    # read before the manifest is written: a file refused leaves nothing its mended rerun is refused by
+    texts = None if prompts is None else data.read_prompts(prompts, held_out)[: settings.instructions]
     _check_manifest(output, settings)
     if (output / DATA).is_file():
         return data.load_samples(output / DATA)
     if (output / INSTRUCTIONS).is_file() or (output / ANSWERS).is_file():
         bars.console.print(f"resuming the data an earlier run left in {output}")
-    if prompts is not None:
-        texts = data.read_prompts(prompts, held_out)[: settings.instructions]
-    else:
+    if texts is None:
         texts = _instructions(engine, output / INSTRUCTIONS, settings, held_out, bars)
     samples = _answers(engine, output / ANSWERS, settings, texts, bars)
     _write_whole(output / DATA, "".join(json.dumps(asdict(s)) + "\n" for s in samples))
@@ -123,8 +123,7 @@ def discard(output: Path) -> None:
     for name in (MANIFEST, INSTRUCTIONS, ANSWERS, DATA):
         (output / name).unlink(missing_ok=True)
         (output / (name + ".partial")).unlink(missing_ok=True)
-    for name in ("checkpoint.pt", "checkpoint.partial"):  # trainer.py's
-        (output / name).unlink(missing_ok=True)
+    trainer.discard_checkpoint(output / trainer.CHECKPOINT)
 
 
 def chunk_seed(seed: int, stage: str, index: int) -> int:

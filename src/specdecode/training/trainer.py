@@ -11,7 +11,8 @@ Labels are the target's own distribution over the head's vocabulary (its logits 
 frozen norm and head rows), on the answers' positions whose target argmax the head can draft.
 
 Resume. Every `checkpoint_every` optimizer steps (and at the end) the weights, the optimizer's
-state and the step go to a checkpoint file, written whole then renamed. The batch order and the
+state and the step go to a checkpoint file, written whole, fsynced, then renamed; one that cannot
+be read (cut short, damaged) is refused, naming `--restart-training`. The batch order and the
 noise are functions of (seed, epoch) and (seed, step), never of a generator's running state, so
 a run resumed from a checkpoint computes what the uninterrupted run did, bit for bit.
 """
@@ -32,6 +33,9 @@ from specdecode.errors import InvalidArgumentError
 from specdecode.training.features import Example
 
 LOSSES = ("ttt", "eagle")
+CHECKPOINT = "checkpoint.pt"  # in train-draft's --output
+# how a refusal of a checkpoint says to discard it alone
+RESTART_TRAINING = "--restart-training to discard it and train afresh on the data already made"
 STEP_DECAY = 0.8  # EAGLE-3's weight of the s-th unrolled step: 0.8^s
 
 
@@ -152,18 +156,31 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tenso
 
 def _save_checkpoint(head, optimizer, state: TrainState, config: TrainConfig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    torch.save(
-        {
-            "head": head.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "state": asdict(state),
-            "config": asdict(config),
-            "head_setup": _head_setup(head),
-        },
-        partial,
-    )
+    partial = _partial(path)
+    with partial.open("wb") as file:
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "state": asdict(state),
+                "config": asdict(config),
+                "head_setup": _head_setup(head),
+            },
+            file,
+        )
+        file.flush()
+        os.fsync(file.fileno())  # on disk before the rename: a lost machine never finds the new name on half a file
     os.replace(partial, path)  # whole or not at all: an interruption while writing keeps the last one
+
+
+def _partial(path: Path) -> Path:
+    return path.with_suffix(".partial")
+
+
+def discard_checkpoint(path: Path) -> None:
+    """--restart-training (and --restart): the checkpoint, and one an interruption left half written."""
+    path.unlink(missing_ok=True)
+    _partial(path).unlink(missing_ok=True)
 
 
 def _head_setup(head: DraftHead) -> dict:
@@ -176,18 +193,18 @@ def _head_setup(head: DraftHead) -> dict:
 def _resume(head, optimizer, path: Path | None, config: TrainConfig) -> TrainState:
     if path is None or not path.is_file():
         return TrainState()
-    saved = torch.load(path, weights_only=True)
+    saved = _load_checkpoint(path)
     if saved["config"] != asdict(config):
         raise InvalidArgumentError(
             f"the checkpoint {path} was written by another training setup ({saved['config']}): "
-            "give the same options, or another --output",
+            f"give the same options, {RESTART_TRAINING}, or another --output",
             "output",
         )
     setup = saved.get("head_setup")  # absent from checkpoints written before it was recorded
     if setup is not None and setup != _head_setup(head):
         raise InvalidArgumentError(
             f"the checkpoint {path} trains a head of another shape or vocabulary (--vocab-size, --features, "
-            "or other data) than this run's: give the same options and data, or another --output",
+            f"or other data) than this run's: give the same options and data, {RESTART_TRAINING}, or another --output",
             "output",
         )
     head.load_state_dict(saved["head"])
@@ -195,3 +212,21 @@ def _resume(head, optimizer, path: Path | None, config: TrainConfig) -> TrainSta
     state = TrainState(**saved["state"])
     state.resumed_from = state.step
     return state
+
+
+def _load_checkpoint(path: Path) -> dict:
+    """The checkpoint's contents. A file that is not one (cut short by a full disk or a crash,
+    damaged, or another file) is refused in one line: torch.load's errors then are many (the zip
+    reader's RuntimeError, EOFError, the unpickler's), and none says what to do."""
+    try:
+        saved = torch.load(path, weights_only=True)
+    except OSError as error:  # not the file's contents: discarding it would not help
+        raise InvalidArgumentError(f"the checkpoint {path} cannot be opened: {error.strerror}", "output") from None
+    except Exception:
+        saved = None
+    if not isinstance(saved, dict) or not all(key in saved for key in ("head", "optimizer", "state", "config")):
+        raise InvalidArgumentError(
+            f"the checkpoint {path} cannot be read (cut short or damaged): rerun with {RESTART_TRAINING}",
+            "output",
+        )
+    return saved
