@@ -394,7 +394,7 @@ class Decoder:
         if seq.finish is not None:
             cut = len(seq.generated) - seq.finish.keep
             del seq.generated[seq.finish.keep :]
-            emitted = emitted[: max(0, len(emitted) - cut)]  # a stop string may end in an earlier step's tokens
+            emitted = emitted[: max(0, len(emitted) - cut)]  # what this step accepted past the stop
             seq.stats.generated_tokens = len(seq.generated)
         return emitted
 

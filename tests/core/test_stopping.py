@@ -36,11 +36,11 @@ def test_stop_string_cuts_text_and_tokens():
     engine = SpeculativeEngine(target, tokenizer, ModelDrafter(HFModelRunner(target)), num_speculative_tokens=4)
     engine.eos_token_ids = frozenset()  # like transformers' generate of this model, which knows no EOS
     result = engine.generate([PROMPT], max_new_tokens=20, stop=stop_word)[0]
-    first = 6
     assert result.finish_reason == "stop"
-    assert result.token_ids == free_run[:first]
-    assert result.text.rstrip() == tokenizer.decode(free_run[:first], skip_special_tokens=True)
+    assert result.token_ids == free_run[:7]  # through the token that completes the stop string
+    assert result.text == tokenizer.decode(free_run[:6], skip_special_tokens=True) + " "  # up to the stop string
     assert stop_word not in result.text
+    assert_drafted_and_accepted([result])
 
 
 def test_budget_and_eos_in_the_same_step():
@@ -51,7 +51,7 @@ def test_budget_and_eos_in_the_same_step():
     assert criteria.check([1, 2], num_new=2, context_full=True).reason == "length"
 
 
-# --- stop strings: an incremental check, exactly the old semantics ---
+# --- stop strings: an incremental check, exactly as if the tokens came one at a time ---
 
 
 def _word_decode():
@@ -75,15 +75,15 @@ class CountingDecode:
         return self.decode(ids)
 
 
-def _old_find_stop_string(criteria: StoppingCriteria, generated: list[int]) -> Stop | None:
-    """The reference semantics: the whole text searched, keep found token by token from the end."""
-    text = criteria.decode(generated)
-    hits = [(text.find(s), s) for s in criteria.stop_strings if s in text]
-    if not hits:
-        return None
-    text_end = min(hits)[0]
-    keep = next(n for n in range(len(generated), -1, -1) if len(criteria.decode(generated[:n])) <= text_end)
-    return Stop(keep, "stop", text_end)
+def _token_by_token(criteria: StoppingCriteria, generated: list[int]) -> Stop | None:
+    """The reference semantics: the first token whose text holds a stop string, the text cut
+    where the earliest one begins (what a decoding of one token a step finds)."""
+    for n in range(1, len(generated) + 1):
+        text = criteria.decode(generated[:n])
+        hits = [text.find(s) for s in criteria.stop_strings if s in text]
+        if hits:
+            return Stop(n, "stop", min(hits))
+    return None
 
 
 def _run_steps(check, tokens: list[int], step_sizes: list[int]) -> tuple[Stop | None, int]:
@@ -117,7 +117,7 @@ def test_the_stop_string_check_decodes_a_bounded_window_each_step():
     assert criteria.check(tokens[:-1], 1, context_full=False) is None
     stop = criteria.check(tokens, 1, context_full=False)
     text = decode.decode(tokens)
-    assert stop == Stop(200, "stop", text.find("w3 w2")) and text.find("w3 w2") == len(decode.decode(tokens[:200])) + 1
+    assert stop == Stop(202, "stop", text.find("w3 w2")) and text.find("w3 w2") == len(decode.decode(tokens[:200])) + 1
     assert decode.calls <= 3 + 12
 
 
@@ -125,8 +125,8 @@ def test_finding_which_tokens_to_keep_is_not_quadratic():
     decode = CountingDecode(_word_decode())
     criteria = StoppingCriteria(1000, frozenset(), ["w3 w2"], decode)
     tokens = [_word(3), _word(2)] + [_word(i % 20) for i in range(198)]  # the stop string at the very start
-    assert criteria.check(tokens, len(tokens), context_full=False) == Stop(0, "stop", 0)
-    assert decode.calls <= 12  # a search over the block (the old scan made one call per token, each O(n))
+    assert criteria.check(tokens, len(tokens), context_full=False) == Stop(2, "stop", 0)
+    assert decode.calls <= 12  # a bisection over the block (a scan would make one call per token, each O(n))
 
 
 def _char_decode():
@@ -152,6 +152,10 @@ STOP_CASES = [
     ("chars", [0, 0, 0, 0, 6, 6, 6, 0, 0, 0, 0, 0, 0, 1, 3], ["abcabcabc"]),
     ("chars", [4, 6, 6, 8, 9], ["a", "xyz"]),
     ("chars", [4, 6, 6, 8, 9], ["q"]),
+    # overlapping stops: "c" completes first though "abcx" begins first; a block of every step
+    # size must stop where one token a step does
+    ("chars", [4, 3, 8, 1], ["abcx", "c"]),
+    ("chars", [1, 5, 8, 2], ["bcx", "abc"]),
 ]
 
 
@@ -161,16 +165,15 @@ def test_incremental_stop_strings_cut_exactly_where_the_whole_text_search_did(ca
     kind, tokens, stop_strings = case
     decode = _word_decode() if kind == "words" else _char_decode()[1]
     criteria = StoppingCriteria(len(tokens), frozenset(), stop_strings, decode)
-    expected = _run_steps(lambda g, n: _old_find_stop_string(criteria, g), tokens, step_sizes)
-    found = _run_steps(lambda g, n: criteria.check(g, n, context_full=False), tokens, step_sizes)
-    if expected[0] is None:  # no stop string: the budget ends it
-        assert found == (Stop(len(tokens), "length"), len(tokens))
+    expected = _token_by_token(criteria, tokens)
+    found, _ = _run_steps(lambda g, n: criteria.check(g, n, context_full=False), tokens, step_sizes)
+    if expected is None:  # no stop string: the budget ends it
+        assert found == Stop(len(tokens), "length")
     else:
         assert found == expected
-        keep, text_end = found[0].keep, found[0].text_end
-        text = decode(tokens[: found[1]])
-        assert len(decode(tokens[:keep])) <= text_end < len(decode(tokens[: keep + 1]))
-        assert not any(s in text[:text_end] for s in stop_strings)
+        text = decode(tokens[: found.keep])
+        assert any(text.startswith(s, found.text_end) for s in stop_strings)
+        assert not any(s in decode(tokens[: found.keep - 1]) for s in stop_strings)
 
 
 # --- EOS and a stop string in the same accepted block: the earliest wins ---
@@ -183,11 +186,12 @@ def test_a_stop_string_before_eos_in_the_same_block_wins():
     # w0 w1 | w5 w6 w7 <eos> w8: the block holds the stop string, then EOS, then a draft past it
     generated = [_word(0), _word(1), _word(5), _word(6), _word(7), eos, _word(8)]
     stop = criteria.check(generated, num_new=5, context_full=False)
-    assert stop == Stop(2, "stop", len("w0 w1 "))
+    assert stop == Stop(4, "stop", len("w0 w1 "))
     kept = generated[: stop.keep]
-    assert decode(kept) == "w0 w1" and "w5 w6" not in decode(kept) and eos not in kept
+    assert decode(kept)[: stop.text_end] == "w0 w1 " and eos not in kept
     # the stop string ending on the very token before EOS still wins
-    assert criteria.check(generated[:6], num_new=4, context_full=False) == Stop(2, "stop", len("w0 w1 "))
+    generated = [_word(0), _word(1), _word(5), _word(6), eos, _word(8)]
+    assert criteria.check(generated, num_new=4, context_full=False) == Stop(4, "stop", len("w0 w1 "))
 
 
 def test_eos_before_a_stop_string_in_the_same_block_wins():
@@ -215,7 +219,7 @@ def test_stop_string_then_eos_in_one_accepted_block_keeps_tokens_text_and_usage_
     engine.eos_token_ids = frozenset({eos})
     result = engine.generate([PROMPT], max_new_tokens=20, stop=stop_word)[0]
     assert result.finish_reason == "stop"
-    assert result.token_ids == free_run[:6]
-    assert result.stats.generated_tokens == 6
-    assert result.text.rstrip() == tokenizer.decode(free_run[:6], skip_special_tokens=True)
+    assert result.token_ids == free_run[:7]
+    assert result.stats.generated_tokens == 7
+    assert result.text == tokenizer.decode(free_run[:6], skip_special_tokens=True) + " "
     assert stop_word not in result.text

@@ -33,6 +33,9 @@ from specdecode import cpu
 from specdecode.cache.backends import Backend
 
 DIGEST_BYTES = 16
+# what an answer's tokens are, in the key: 2, through the token that completes a stop string
+# (1 kept only the tokens before it), so no entry of one meaning is read as the other
+ANSWER_FORMAT = 2
 REASONS = ("stop", "length")
 CONFIG_IGNORED = ("_name_or_path", "_commit_hash", "transformers_version")  # where it was loaded from, not what
 
@@ -51,7 +54,7 @@ def model_fingerprint(model: torch.nn.Module, runner, tokenizer) -> str:
     the architecture (config and module classes), the tokenizer's vocabulary, this package's
     version, the runner and its variant (runner_variant), and the kernels (kernel_fingerprint)."""
     digest = hashlib.blake2b(weights_fingerprint(model, tokenizer).encode(), digest_size=16)
-    digest.update(json.dumps([runner_variant(runner), kernel_fingerprint()], default=str).encode())
+    digest.update(json.dumps([runner_variant(runner), kernel_fingerprint(), ANSWER_FORMAT], default=str).encode())
     return digest.hexdigest()
 
 

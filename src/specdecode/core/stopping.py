@@ -1,9 +1,14 @@
 """When a generation ends: token budget, context window, end-of-sequence tokens, stop strings.
 
-The earliest stop wins. An accepted block can hold an EOS token and a stop string; a stop
-string counts only if its text ends before the EOS token (the text of the tokens before
-it), and then the generation stops at the stop string, not at EOS. Tokens past the
-budget, or past an EOS, are dropped and their text never counts.
+The earliest stop wins, as if the tokens came one at a time: a generation stops at the first
+token whose text completes a stop string, or at the first EOS token, whichever comes first,
+however many tokens a step accepted. The tokens kept are those up to and including that one
+(usage counts them: they were generated); the text returned ends where the stop string
+begins, as OpenAI's API returns it, so a stop string that begins inside a token keeps that
+token's text before it. Tokens past the budget, or past an EOS, are dropped and their text
+never counts. That one rule makes the answer a function of the target's tokens alone, the
+same with speculation or without, and a stream that holds back what may begin a stop string
+(server/worker.py) sends exactly the answer's text.
 
 Stop strings are found incrementally. The check runs after every step, so a new match
 must end in the new tokens' text: only that text and the `longest - 1` characters before
@@ -21,9 +26,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Stop:
-    keep: int  # how many generated tokens to keep: for a stop string, those whose text lies wholly before it
+    keep: int  # how many generated tokens to keep: through the EOS, or the token completing a stop string
     reason: str  # "stop" (EOS or stop string) or "length", as OpenAI names them
-    text_end: int | None = None  # where the text ends, for stop strings (the stop string is not returned)
+    text_end: int | None = None  # where the text ends, for stop strings: where the stop string begins
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,8 @@ class StoppingCriteria:
         return None
 
     def _find_stop_string(self, generated: list[int], first_new: int, end: int) -> Stop | None:
-        """The first stop string in the text of generated[:end], if one ends in the text of
-        generated[first_new:end]."""
+        """The first of generated[first_new:end] whose text completes a stop string, if any;
+        the text then ends where the earliest stop string begins."""
         assert self.decode is not None, "stop strings need a tokenizer"
         if end <= first_new:
             return None  # no new text
@@ -73,26 +78,21 @@ class StoppingCriteria:
         # characters, e.g. complete an unfinished UTF-8 sequence); a new match ends after that
         common = len(before) if window.startswith(before) else len(os.path.commonprefix([before, window]))
         search_from = max(0, common - longest + 1)  # >= 1 when start > 0: the window's first character is never used
-        if not any(window.find(s, search_from) >= 0 for s in self.stop_strings):
+
+        def completes(n: int) -> bool:  # whether the text of generated[:n] holds a new stop string
+            text = window if n == end else self.decode(generated[start:n])
+            return any(text.find(s, search_from) >= 0 for s in self.stop_strings)
+
+        if not completes(end):
             return None
-        # found: cut exactly where a search of the whole text does, once per generation
-        text = window if start == 0 else self.decode(generated[:end])
+        # the first token that completes one, by bisection (the text grows with n): O(log) decodes
+        lo, hi = first_new, end
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if completes(mid) else (mid, hi)
+        # cut exactly where a search of the whole text does, once per generation
+        text = self.decode(generated[:hi])
         hits = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
         if not hits:
             return None  # a decoder that disagrees with itself; the whole text decides
-        text_end = min(hits)
-        return Stop(self._tokens_before(generated, start, end, text_end), "stop", text_end)
-
-    def _tokens_before(self, generated: list[int], start: int, end: int, text_end: int) -> int:
-        """The most tokens n whose text decode(generated[:n]) ends at or before text_end, by
-        bisection (the text grows with n): O(log) decodes, not one per token."""
-        lo, hi = 0, end  # decode(generated[:0]) = "" fits; decode(generated[:end]) holds the stop string
-        if start > 0 and len(self.decode(generated[:start])) <= text_end:
-            lo = start  # the stop string lies in the window, as it does unless a decoder disagrees
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if len(self.decode(generated[:mid])) <= text_end:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return Stop(hi, "stop", min(hits))

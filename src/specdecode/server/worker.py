@@ -11,7 +11,8 @@ requests is tried alone and only those that still fail get the error. If the loo
 crashes, it starts again and resumes every in-flight request from the tokens it had
 accepted (their caches are rebuilt); a request caught in MAX_CRASHES crashes fails, so none loops forever.
 A request still running max_request_seconds after it arrived fails with a timeout, and one
-whose client went away is dropped between steps, freeing its slot.
+whose client went away is dropped between steps, freeing its slot; one that waits for a slot
+leaves the queue at once (WaitingRoom), so clients that hang up hold no place in it.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from specdecode.core.detokenize import Holdback, IncrementalText
 from specdecode.decoder import SequenceState
 from specdecode.drafters import candidates_of
 from specdecode.drafters.suffix import SuffixDrafter
@@ -93,11 +95,16 @@ class RequestHandle:
         self.first_token_at: float | None = None
         self.started_at: float | None = None
         self.streamed_chars = 0
+        self.new_text: IncrementalText | None = None  # a stream's text, decoded as it grows
+        self.holdback = Holdback(request.stop)  # ... less what may still begin a stop string
+        self.on_cancel: Callable[[], None] | None = None  # the waiting room's: leave it at once
         self._loop = asyncio.get_running_loop() if request.stream else None
         self._deltas: asyncio.Queue[str | None] | None = asyncio.Queue() if request.stream else None
 
     def cancel(self) -> None:
         self.cancelled = True  # read by the worker between steps
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     async def text_deltas(self) -> AsyncIterator[str]:
         """Text as the engine accepts it; ends when the request ends (see `future` for how)."""
@@ -108,6 +115,56 @@ class RequestHandle:
         """From the worker thread: more text, or None at the end."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
+
+
+class WaitingRoom:
+    """The requests waiting for a batch slot, oldest first, shared by the app's threads and the
+    engine thread. A request cancelled while it waits leaves at once, so its place (and the
+    waiting gauge) is free for the next client; the engine thread ends it (`take_left`)."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[RequestHandle] = deque()
+        self._left: list[RequestHandle] = []
+        self._changed = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def empty(self) -> bool:
+        return not self._waiting and not self._left
+
+    def put(self, handle: RequestHandle, limit: int) -> bool:
+        """Queue handle unless `limit` requests wait already."""
+        with self._changed:
+            if len(self._waiting) >= limit:
+                return False
+            self._waiting.append(handle)
+            handle.on_cancel = functools.partial(self.leave, handle)
+            self._changed.notify()
+            return True
+
+    def take(self, timeout: float = 0.0) -> RequestHandle | None:
+        """The oldest waiting request, waiting up to timeout seconds for one; None if none."""
+        with self._changed:
+            if not self._waiting and timeout > 0:
+                self._changed.wait(timeout)
+            return self._waiting.popleft() if self._waiting else None
+
+    def leave(self, handle: RequestHandle) -> None:
+        """From any thread: handle out of the queue, if it still waits there (O(max_waiting))."""
+        with self._changed:
+            try:
+                self._waiting.remove(handle)
+            except ValueError:
+                return  # taken already: the engine thread drops it between steps
+            self._left.append(handle)
+
+    def take_left(self) -> list[RequestHandle]:
+        """The requests that left since the last call, for the engine thread to end."""
+        with self._changed:
+            left, self._left = self._left, []
+            return left
 
 
 class EngineWorker:
@@ -123,7 +180,7 @@ class EngineWorker:
         self.config = config = config or ServerConfig()
         self.decoder = engine.decoder
         self.decoder.capacity = engine.batch_capacity(config.max_batch_size)
-        self._queue: queue.Queue[RequestHandle] = queue.Queue()
+        self._waiting = WaitingRoom()
         self._submit_lock = threading.Lock()
         self._stopping = False
         self._aborting = False  # a second signal: fail what is held, return after this step
@@ -135,7 +192,7 @@ class EngineWorker:
             before_sleep=lambda _: metrics.step_retries.inc(),
             reraise=True,
         )
-        metrics.requests_waiting.set_function(self._queue.qsize)
+        metrics.requests_waiting.set_function(lambda: len(self._waiting))
         metrics.requests_running.set_function(lambda: len(self.decoder.active))
         backend = engine.cache_backend
         metrics.cache_backend_errors.set_function(lambda: backend.errors if backend is not None else 0)
@@ -189,15 +246,14 @@ class EngineWorker:
         with self._submit_lock:  # check and put together, so the bound holds under concurrent submits
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down; send the request to another instance")
-            if self._queue.qsize() >= self.config.max_waiting:
+            if not self._waiting.put(handle, self.config.max_waiting):
                 raise QueueFullError(f"{self.config.max_waiting} requests are already waiting; retry later")
-            self._queue.put(handle)
         return handle
 
     # --- the engine thread ---
 
     def _serve(self) -> None:
-        while not (self._stopping and self._queue.empty() and not self.decoder.active):
+        while not (self._stopping and self._waiting.empty and not self.decoder.active):
             if self._aborting:
                 self._fail_everything(ShuttingDownError("the server was stopped before this request finished"))
                 return
@@ -209,8 +265,10 @@ class EngineWorker:
     def _fail_everything(self, error: Exception) -> None:
         for seq in list(self.decoder.active):
             self._end(seq.tag, seq, error=error)
-        while not self._queue.empty():
-            self._end(self._queue.get_nowait(), error=error)
+        while (handle := self._waiting.take()) is not None:
+            self._end(handle, error=error)
+        for handle in self._waiting.take_left():
+            self._end(handle, aborted=True)
 
     def _recover(self) -> None:
         """After a crash of the loop. A sequence that finished in the step the crash interrupted
@@ -229,11 +287,12 @@ class EngineWorker:
         self.decoder.reset()
 
     def _admit(self) -> None:
+        for handle in self._waiting.take_left():  # their clients went away while they waited
+            self._end(handle, aborted=True)
         wait = not self.decoder.active  # idle: block briefly for new work
         while self.decoder.has_room:
-            try:
-                handle = self._queue.get(timeout=ADMIT_POLL_S) if wait else self._queue.get_nowait()
-            except queue.Empty:
+            handle = self._waiting.take(ADMIT_POLL_S if wait else 0.0)
+            if handle is None:
                 return
             wait = False
             if handle.cancelled:
@@ -350,7 +409,7 @@ class EngineWorker:
             if seq.finish is not None:
                 self._end(handle, seq)
             elif handle.request.stream and tokens:
-                self._publish_text(handle, self.engine.decode(seq.generated), final=False)
+                self._publish_new_text(handle, seq.generated)
 
     def _end(
         self,
@@ -375,8 +434,8 @@ class EngineWorker:
                     result = self._result(seq)
             if result is not None and error is None and not aborted:
                 self._record(handle, result)
-                if handle.request.stream:
-                    self._publish_text(handle, result.text, final=True)
+                if handle.request.stream:  # the rest of the answer's text (the stream sent a prefix of it)
+                    self._publish(handle, result.text[handle.streamed_chars :])
         except Exception as failure:  # noqa: BLE001 - this request's failure, answered to it alone
             result, error = None, failure
         if handle.done:
@@ -421,12 +480,18 @@ class EngineWorker:
             self.engine.caches.remember(seq)
         return result
 
-    def _publish_text(self, handle: RequestHandle, text: str, final: bool) -> None:
-        if not final:
-            text = _streamable(text, handle.request.stop)
-        if len(text) > handle.streamed_chars:
-            handle.publish(text[handle.streamed_chars :])
-            handle.streamed_chars = len(text)
+    def _publish_new_text(self, handle: RequestHandle, generated: list[int]) -> None:
+        """The text the stream's new tokens add, decoded a window at a time (the cost of a step
+        does not grow with the answer), less what may still begin a stop string."""
+        if handle.new_text is None:
+            handle.new_text = IncrementalText(self.engine.decode)
+        self._publish(handle, handle.holdback.release(handle.new_text.extend(generated)))
+
+    @staticmethod
+    def _publish(handle: RequestHandle, text: str) -> None:
+        if text:
+            handle.publish(text)
+            handle.streamed_chars += len(text)
 
     def _record(self, handle: RequestHandle, result: GenerationResult) -> None:
         m, stats, now = self.metrics, result.stats, time.perf_counter()
@@ -467,11 +532,3 @@ def _max_tokens(asked: int | None, prompt_tokens: int, max_model_len: int) -> in
             "max_tokens",
         )
     return asked
-
-
-def _streamable(text: str, stop_strings: list[str]) -> str:
-    """The part of text that can go out now: not a half-decoded character (U+FFFD at the end),
-    nor an ending that may still grow into a stop string (the stop string is never sent)."""
-    text = text.rstrip("\ufffd")
-    held = max((n for s in stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-    return text[: len(text) - held]
