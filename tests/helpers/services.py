@@ -13,6 +13,7 @@ import time
 import uvicorn
 
 from specdecode.server.faults import WorkerCrash
+from specdecode.server.limits import uvicorn_config
 
 # --- the server, run for real on loopback (test_server.py, test_server_faults.py, test_loadtest.py) ---
 
@@ -22,10 +23,11 @@ SERVER_PROMPT = "w1 w2 w3 w1 w2"
 
 @contextlib.contextmanager
 def serving(app):
-    """Run `app` with uvicorn in a thread on a free port; yield its base URL."""
+    """Run `app` with uvicorn in a thread on a free port, under the limits `specdecode serve`
+    runs it with (its config's: server/limits.py); yield its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, app.state.server.config, "127.0.0.1", 0, "warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:

@@ -146,9 +146,38 @@ def test_full_queue_answers_429_and_recovers(engine):
         wait_for(lambda: metric(httpx.get(f"{url}/metrics").text, "specdecode:num_requests_waiting") == 1)
         refused = httpx.post(f"{url}/v1/completions", json=body)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        assert refused.headers["retry-after"] == "1"
         gate.opened.set()
         assert running.result().status_code == 200 and waiting.result().status_code == 200
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+
+
+def _hang_up_while_queued(url: str, body: dict) -> None:
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{url}/v1/completions", json=body, timeout=2)
+
+
+def test_clients_that_hang_up_while_queued_leave_the_queue_at_once(engine):
+    gate = Gate()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    app = create_app(engine, model_name=MODEL, max_waiting=4, max_batch_size=1, faults=gate)
+    waiting = lambda: metric(httpx.get(f"{url}/metrics").text, "specdecode:num_requests_waiting")  # noqa: E731
+    with serving(app) as url, ThreadPoolExecutor(8) as pool:
+        running = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30)
+        wait_for(lambda: metric(httpx.get(f"{url}/metrics").text, "specdecode:num_requests_running") == 1)
+        leavers = [pool.submit(_hang_up_while_queued, url, body) for _ in range(4)]
+        wait_for(lambda: waiting() == 4)
+        for leaver in leavers:
+            leaver.result()
+        wait_for(lambda: waiting() == 0)  # the running request has not moved: they left
+        # four new clients take the places; a fifth is refused, told when to come back
+        queued = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30) for _ in range(4)]
+        wait_for(lambda: waiting() == 4)
+        refused = httpx.post(f"{url}/v1/completions", json=body)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        gate.opened.set()
+        assert [r.result().status_code for r in [running, *queued]] == [200] * 5
+        assert gate.steps > 0 and waiting() == 0
 
 
 def test_graceful_shutdown_finishes_the_requests_in_flight(engine, expected):
@@ -161,6 +190,7 @@ def test_graceful_shutdown_finishes_the_requests_in_flight(engine, expected):
         wait_for(lambda: app.state.worker._stopping)
         refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert refused.headers["retry-after"] == "5"
         stopping.result()
         assert [a.result() for a in answers] == [expected[p] for p in PROMPTS[:4]]
 

@@ -305,4 +305,5 @@ def test_serve_passes_metrics_without_key_to_the_app(tiny_model_dir, monkeypatch
         args = ["serve", "--target", tiny_model_dir, "--api-key", KEY, "--no-response-cache", *flag]
         result = CliRunner().invoke(cli_app, args)
         assert result.exit_code == 0, result.output
+        assert "API key required" in result.output  # the banner says a key is needed
         assert TestClient(served[-1]).get("/metrics").status_code == status, flag

@@ -78,6 +78,15 @@ def serve(
     max_request_seconds: Annotated[
         float, typer.Option(help="A request running longer fails with 504.")
     ] = SERVER.max_request_seconds,
+    max_connections: Annotated[
+        int, typer.Option(help="Open connections at once; one more is answered 503 and closed.")
+    ] = SERVER.max_connections,
+    max_header_bytes: Annotated[
+        int, typer.Option(help="Bytes of a request's headers; more is answered 400.")
+    ] = SERVER.max_header_bytes,
+    read_timeout: Annotated[
+        float, typer.Option(help="Seconds a request may take to arrive whole before its connection is closed.")
+    ] = SERVER.read_timeout_s,
     device: DeviceOption = SERVER.device,
     dtype: DtypeOption = SERVER.dtype,
     quantization: QuantizationOption = SERVER.quantization,
@@ -137,6 +146,9 @@ def serve(
             max_waiting=max_waiting,
             max_batch_size=max_batch_size,
             max_request_seconds=max_request_seconds,
+            max_connections=max_connections,
+            max_header_bytes=max_header_bytes,
+            read_timeout_s=read_timeout,
             kv_cache_gb=kv_cache_gb,
             otel_console=otel_console,
         )
@@ -156,7 +168,7 @@ def serve(
                 stderr.print(f"warning: no Redis answers at {masked}; caching in this process until one does")
         server_app = app_from_config(config, engine, start_worker=False, faults=faults)
     sizes = f"max_model_len {engine.max_model_len}, up to {server_app.state.worker.decoder.capacity} requests at once"
-    stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes})" + (" (API key required)" if api_key else ""))
+    stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes}; {config.key_note})", soft_wrap=True)
     with user_errors():
         run_server(server_app, config.host, config.port)
 
@@ -193,9 +205,10 @@ def _serve_on_ray(config: ServerConfig, scaling, address: str | None) -> None:
 
     def ready() -> None:
         status.stop()
-        key = " (API key required)" if config.api_key else ""
         url = f"http://{config.host}:{config.port}/v1"
-        stderr.print(f"serving {config.target} on {url} with {scaling.replicas} Ray replicas{key}")
+        stderr.print(
+            f"serving {config.target} on {url} with {scaling.replicas} Ray replicas ({config.key_note})", soft_wrap=True
+        )
 
     try:
         ray_serve.serve_until_signalled(config, scaling, ready)

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, TypedDict
 
 import uvicorn
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -27,10 +27,11 @@ from specdecode.engine import SpeculativeEngine
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
 from specdecode.runners.slots import kv_bytes_per_token
 from specdecode.server.config import ServerConfig
-from specdecode.server.errors import APIError, error_response, install_error_handlers
+from specdecode.server.errors import APIError, error_response, install_error_handlers, retry_after, unauthorized
 from specdecode.server.faults import StepHook
+from specdecode.server.limits import BodyLimit, KeyCheck, uvicorn_config
 from specdecode.server.metrics import ServerMetrics
-from specdecode.server.routes import ServerState, check_api_key, v1
+from specdecode.server.routes import ServerState, v1
 from specdecode.server.worker import EngineWorker
 
 if TYPE_CHECKING:
@@ -97,9 +98,13 @@ def create_app(
 
     def body_too_large(size: str) -> JSONResponse:
         message = f"the request body has {size}; the limit is {config.max_body_bytes} bytes"
-        return error_response(APIError(413, message, code="body_too_large"), metrics)
+        return closing(error_response(APIError(413, message, code="body_too_large"), metrics))
 
-    app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes, refuse=body_too_large)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, refuse=body_too_large)
+    if config.api_key is not None:  # added last: outermost, so it runs before any body is read
+        open_paths = frozenset({"/health"} | ({"/metrics"} if config.metrics_without_key else set()))
+        refuse = lambda: closing(error_response(unauthorized(), metrics))  # noqa: E731
+        app.add_middleware(KeyCheck, api_key=config.api_key, open_paths=open_paths, refuse=refuse)
     app.include_router(v1)
     if tracing is not None:
         tracing.instrument(app)
@@ -107,21 +112,20 @@ def create_app(
     @app.get("/health")
     async def health() -> PlainTextResponse:
         # 503 once the engine thread has died: a supervisor should restart the server
-        alive = worker.alive
-        return PlainTextResponse("ok" if alive else "engine thread stopped", status_code=200 if alive else 503)
+        if worker.alive:
+            return PlainTextResponse("ok")
+        return PlainTextResponse("engine thread stopped", status_code=503, headers=retry_after(503))
 
     async def own_metrics() -> bytes:
         return generate_latest(metrics.registry)
 
-    metrics_access = [] if config.metrics_without_key else [Depends(check_api_key)]
-
-    @app.get("/metrics", dependencies=metrics_access)
+    @app.get("/metrics")
     async def prometheus_metrics() -> PlainTextResponse:
         return PlainTextResponse(await (metrics_text or own_metrics)(), media_type=CONTENT_TYPE_LATEST)
 
     if keyed:
 
-        @app.get("/openapi.json", dependencies=[Depends(check_api_key)], include_in_schema=False)
+        @app.get("/openapi.json", include_in_schema=False)  # behind KeyCheck
         async def openapi() -> JSONResponse:
             return JSONResponse(app.openapi())
 
@@ -204,7 +208,7 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> N
     (the main thread: see EngineWorker.run). A first signal shuts down gracefully: no new
     requests, the ones held are finished. A second one exits at once: the requests still
     held are failed and the loop returns after its current step."""
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn_config(app, app.state.server.config, host, port, log_level))
     http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
 
     def shut_down(signum, frame) -> None:
@@ -224,45 +228,8 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> N
     http.join(timeout=5)
 
 
-class _BodyLimit:
-    """Refuses bodies over max_bytes before the app reads them. The limit holds on the bytes
-    actually received, whatever the framing: a Content-Length over the limit is refused at
-    once, and every body is read here, counted, up to the limit, then handed on. A declared
-    length alone is not to be trusted: a request that sends both Content-Length and chunked
-    encoding is read by its chunks under uvicorn's h11 parser, past the length it declared.
-    Pure ASGI: FastAPI's @app.middleware wrapper would hide client disconnects from the handlers."""
-
-    def __init__(self, app, max_bytes: int, refuse: Callable[[str], JSONResponse]):
-        self.app, self.max_bytes, self.refuse = app, max_bytes, refuse
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self.refuse(f"{int(length)} bytes")(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before it finished sending
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self.refuse(f"more than {self.max_bytes} bytes")(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()  # from here on: the disconnect, when it comes
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+def closing(response: JSONResponse) -> JSONResponse:
+    """The response, and the connection closed after it: the rest of a refused request's body
+    is not wanted, and its client holds no connection while it retries."""
+    response.headers["connection"] = "close"
+    return response

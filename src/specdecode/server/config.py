@@ -44,6 +44,10 @@ class ServerConfig:
     max_waiting: int = 64  # requests queued beyond the running batch before new ones get 429
     max_batch_size: int = 16  # requests decoded together (continuous batching)
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    # what any client, authenticated or not, can hold (server/limits.py; docs/serving.md, "Limits")
+    max_connections: int = 256  # open at once; one more is answered 503 and closed
+    max_header_bytes: int = 32 << 10  # a request's headers; more is answered 400 and closed
+    read_timeout_s: float = 30.0  # a request not in whole this long after its first byte is closed
     max_request_seconds: float = 600.0  # a request still running this long after it arrived fails (504)
     kv_cache_gb: float | None = None  # the batch's KV caches' budget (app.batch_size_for_budget); None: none
     otel_console: bool = False  # spans to the console too (OTLP export follows the OTEL_* variables)
@@ -55,13 +59,19 @@ class ServerConfig:
         check_max_model_len(self.max_model_len)
         if not 0 < self.port < 65536:
             raise InvalidArgumentError(f"port must be in [1, 65535], got {self.port}", "port")
-        for name in ("max_waiting", "max_batch_size", "max_body_bytes"):
+        for name in ("max_waiting", "max_batch_size", "max_body_bytes", "max_connections", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be at least 1, got {getattr(self, name)}", name)
-        for name in ("max_request_seconds", "kv_cache_gb"):
+        check_api_key(self.api_key)
+        for name in ("max_request_seconds", "kv_cache_gb", "read_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise InvalidArgumentError(f"{name} must be positive, got {value}", name)
+
+    @property
+    def key_note(self) -> str:
+        """What the serving banner says of the key: whether clients need one."""
+        return "API key required" if self.api_key is not None else "no API key: any client that reaches it may use it"
 
     @property
     def served_name(self) -> str:
@@ -85,4 +95,22 @@ class ServerConfig:
             cache=self.cache,
             quantization=self.quantization,
             options=DrafterOptions(adaptive=self.adaptive, shipped_head=self.shipped_head),
+        )
+
+
+def check_api_key(api_key: str | None) -> None:
+    """A key a client can send: never empty (a deploy script whose variable is unset would
+    otherwise open the server to 'Authorization: Bearer ' with nothing after it), and without
+    spaces around it or characters an HTTP header cannot carry."""
+    if api_key is None:
+        return
+    if not api_key.strip():
+        raise InvalidArgumentError(
+            "api_key must not be empty; set a key (SPECDECODE_API_KEY), or leave --api-key out to serve without one",
+            "api_key",
+        )
+    if api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable():
+        raise InvalidArgumentError(
+            "api_key must be printable ASCII without spaces around it, as an Authorization header carries it",
+            "api_key",
         )

@@ -24,6 +24,9 @@ logger = logging.getLogger("specdecode.server")
 
 # the engine's argument names that the API spells differently
 API_NAMES = {"max_new_tokens": "max_tokens", "num_speculative_tokens": "speculative.num_speculative_tokens"}
+# seconds a client should wait before it retries: a full queue frees a place as soon as a
+# request finishes; a server that is stopping or whose engine thread stopped needs longer
+RETRY_AFTER_S = {429: 1, 503: 5}
 
 
 class APIError(Exception):
@@ -42,6 +45,11 @@ class APIError(Exception):
 
     def detail(self) -> schemas.ErrorDetail:
         return schemas.ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+
+
+def unauthorized() -> APIError:
+    message = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+    return APIError(401, message, type="authentication_error", code="invalid_api_key")
 
 
 def internal_error(error: BaseException, code: str, what: str) -> APIError:
@@ -88,7 +96,16 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 def error_response(error: APIError, metrics: ServerMetrics) -> JSONResponse:
     metrics.errors.labels(error.code or error.type).inc()
-    return JSONResponse(schemas.ErrorResponse(error=error.detail()).model_dump(), status_code=error.status)
+    return JSONResponse(
+        schemas.ErrorResponse(error=error.detail()).model_dump(),
+        status_code=error.status,
+        headers=retry_after(error.status),
+    )
+
+
+def retry_after(status: int) -> dict[str, str] | None:
+    """Retry-After for an overloaded (429) or unavailable (503) server, as RFC 9110 has it."""
+    return {"Retry-After": str(RETRY_AFTER_S[status])} if status in RETRY_AFTER_S else None
 
 
 def _validation_error(first: dict) -> APIError:

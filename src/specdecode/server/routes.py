@@ -6,13 +6,12 @@ answered at once), hands one request per choice to the worker and awaits the res
 
 from __future__ import annotations
 
-import hmac
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from specdecode.core.checks import seeds_for
@@ -54,10 +53,6 @@ class ServerState:
         return self.config.served_name
 
     @property
-    def api_key(self) -> str | None:
-        return self.config.api_key
-
-    @property
     def context_length(self) -> int:
         """max_model_len: the most tokens, prompt and completion, a request may hold."""
         return self.engine.max_model_len
@@ -67,18 +62,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def check_api_key(request: Request) -> None:
-    api_key = _state(request).api_key
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # compare_digest: the time taken must not tell how much of the key was right
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        message = "missing or wrong API key: send 'Authorization: Bearer KEY'"
-        raise APIError(401, message, type="authentication_error", code="invalid_api_key")
-
-
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+v1 = APIRouter(prefix="/v1")  # behind limits.KeyCheck where the server has a key
 
 
 @v1.get("/models")
