@@ -37,7 +37,7 @@ def check(dtype: str, device: str, new_tokens: int) -> list[str]:
     start = time.perf_counter()
     target_only = [engine.generate(t, speculative=False, **options)[0] for t in texts]
     alone = [engine.generate(t, **options)[0] for t in texts]
-    batched = engine.generate_batched(texts, max_batch_size=8, **options)
+    batched = engine.generate(texts, max_batch_size=8, **options)
     seconds = time.perf_counter() - start
 
     def same(results) -> int:

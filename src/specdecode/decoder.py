@@ -137,7 +137,7 @@ class Decoder:
         # policy_key (drafter name, greedy or sampled) -> its acceptance, pooled over sequences:
         # by position for chains, by tree size for trees
         self.policies: dict[str, AdaptiveK | AdaptiveTree] = {}
-        self.verifies_trees = bool(getattr(runner, "verifies_trees", False))  # else a tree's first path runs
+        self.verifies_trees = runner.verifies_trees  # else a tree's first path runs
         self.active: list[SequenceState] = []
 
     @property
@@ -305,8 +305,8 @@ class Decoder:
             parents.append(None if draft.is_chain else _forward_parents(len(uncached), draft))
         slots = [s.slot for s in sequences]
         runners = [self.slots.runner] + [self.slots.slots[s] for s in slots]
-        for runner in runners:  # only runners that declare hidden_layers can keep them
-            if getattr(runner, "hidden_layers", layers) != layers:
+        for runner in runners:  # set only when it changes: a fast runner's setter clears what it kept
+            if runner.hidden_layers != layers:
                 runner.hidden_layers = layers
         if any(p is not None for p in parents):
             logits = self.slots.forward(slots, new_tokens, num_logits, parents)
@@ -319,9 +319,9 @@ class Decoder:
         """What the last forward kept of each slot's new rows: from the runner that ran the batch
         (a list per sequence) or from each slot's; None where it kept nothing for them."""
         if self.slots.runner.stacks_sequences and len(slots) > 1:
-            found = getattr(self.slots.runner, "hidden", None) or [None] * len(slots)
+            found = self.slots.runner.hidden or [None] * len(slots)
         else:
-            found = [getattr(self.slots.slots[s], "hidden", None) for s in slots]
+            found = [self.slots.slots[s].hidden for s in slots]
             found = [h[0] if isinstance(h, list) else h for h in found]  # a forward run as a batch of one
         return [h if h is not None and h.shape[0] == len(t) else None for h, t in zip(found, new_tokens, strict=True)]
 
@@ -364,10 +364,8 @@ class Decoder:
         if decision is None:
             return  # a rebuilt prompt: its drafters learnt it when it was first run
         for drafter in seq.drafters:
-            learn = getattr(drafter, "learn", None)
-            if learn is not None:
-                learn(seq.tokens, draft, logits)
-            wanted = getattr(drafter, "hidden_layers", ())
+            drafter.learn(seq.tokens, draft, logits)
+            wanted = drafter.hidden_layers
             if wanted and hidden is not None:
                 uncached = hidden.shape[0] - len(draft)
                 rows = list(range(uncached)) + [uncached + i for i in decision.verdict.path]
@@ -412,7 +410,7 @@ class Decoder:
         tree's first path)."""
         key = policy_key(drafter.name, params)
         if key not in self.policies:
-            trees = self.verifies_trees and getattr(drafter, "drafts_trees", False)
+            trees = self.verifies_trees and drafter.drafts_trees
             self.policies[key] = AdaptiveTree(self.costs) if trees else AdaptiveK(self.costs)
         return self.policies[key]
 
@@ -427,7 +425,7 @@ def policy_key(drafter_name: str, params: SamplingParams) -> str:
 
 def _hidden_layers_wanted(sequences: list[SequenceState]) -> tuple[int, ...]:
     """The target layers whose hidden states this step's drafters read (draft heads), sorted."""
-    return tuple(sorted({i for seq in sequences for d in seq.drafters for i in getattr(d, "hidden_layers", ())}))
+    return tuple(sorted({i for seq in sequences for d in seq.drafters for i in d.hidden_layers}))
 
 
 def _forward_parents(uncached: int, draft: Draft) -> torch.Tensor:  # [uncached + len(draft)] int64

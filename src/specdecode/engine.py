@@ -351,12 +351,6 @@ class SpeculativeEngine:
         ]
         return self._decode(sequences, capacity)
 
-    def generate_batched(
-        self, prompts: str | SequenceOf[str] | SequenceOf[SequenceOf[int]], *, max_batch_size: int = 8, **request
-    ) -> list[GenerationResult]:
-        """`generate` with up to 8 prompts at once by default: the earlier name, kept for its callers."""
-        return self.generate(prompts, max_batch_size=max_batch_size, **request)
-
     def _decode(self, sequences: list[SequenceState], capacity: int) -> list[GenerationResult]:
         """Each sequence's result: from the response cache where it has one, else decoded."""
         todo = [seq for seq in sequences if not self.caches.answer(seq)]

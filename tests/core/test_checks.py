@@ -13,7 +13,7 @@ from helpers import tiny_llama, tiny_tokenizer
 from specdecode import SpeculativeEngine
 from specdecode.core.checks import check_k, check_max_model_len, check_request, seeds_for
 from specdecode.core.sampling import SamplingParams
-from specdecode.drafters import AutoDrafter, Draft, PromptLookupDrafter
+from specdecode.drafters import AutoDrafter, Draft, Drafter, PromptLookupDrafter
 from specdecode.errors import InvalidArgumentError
 from specdecode.server.config import ServerConfig
 
@@ -91,7 +91,7 @@ def test_a_batch_of_one_is_the_same_path_as_a_batch():
     assert one_at_a_time == together == alone
 
 
-class _Fixed:
+class _Fixed(Drafter):
     """A drafter that proposes a fixed chain (or nothing) and records what it was told."""
 
     per_sequence = True

@@ -40,7 +40,7 @@ from specdecode.core.adaptive import AdaptiveK, AdaptiveTree
 from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.core.stats import GenerationStats
 from specdecode.core.verification import Verdict, verify_greedy, verify_tree
-from specdecode.drafters import Draft
+from specdecode.drafters import Draft, Drafter
 from specdecode.runners import HFModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
 
@@ -183,7 +183,7 @@ def random_tree(rng: random.Random, size: int, vocab: int, truth: list[int]) -> 
     return tokens, parents
 
 
-class TreeDrafter:
+class TreeDrafter(Drafter):
     """A test drafter of trees: `trees(token_ids, k)` gives (tokens, parents); it records what
     the decoder tells it (observe, learn)."""
 

@@ -16,7 +16,7 @@ from specdecode.core.sampling import SamplingParams
 from specdecode.drafters.base import Draft, Drafter
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     name = "auto"
 
     def __init__(self, candidates: list[Drafter]):

@@ -76,14 +76,22 @@ class Drafter(Protocol):
     sequence of a batch a state of its own with `fork()`; the others hold one shared state (a
     draft model's cache), so the decoder runs them on batches of one sequence. `drafts_trees`
     drafters may propose trees (a target that cannot verify them runs their first path).
+    A drafter that declares `hidden_layers` (a draft head) is given the target's hidden states
+    of those layers from the verifying forward (`learn_hidden`).
+
+    Every drafter subclasses this protocol: the members with a default (no hidden layers, no
+    history, chains only, and methods that do nothing) are then its own unless it overrides
+    them, and the decoder calls each member without asking whether it is there.
     """
 
     name: str
     per_sequence: bool
     # declared: drafts depend on earlier requests (a history, a shared store), not on the
     # sequence alone; seeded sampling skips such drafters, so that its samples repeat
-    depends_on_history: bool
-    drafts_trees: bool
+    depends_on_history: bool = False
+    drafts_trees: bool = False
+    # declared: the target layers whose hidden states it reads (learn_hidden); (): none
+    hidden_layers: tuple[int, ...] = ()
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new sequence starts with these prompt tokens."""
@@ -105,6 +113,10 @@ class Drafter(Protocol):
         token_ids[-1] (the root), row 1 + i after draft node i, whether accepted or not. Called
         for every verification of the sequence (a prefill's: one row, empty draft), whichever
         drafter proposed."""
+
+    def learn_hidden(self, start: int, hidden: torch.Tensor) -> None:
+        """Only where hidden_layers: the target's hidden states [m, len(hidden_layers), hidden]
+        of the tokens now accepted, at positions start .. start + m - 1."""
 
     def finish(self, token_ids: list[int]) -> None:
         """The sequence ended (or left) with these tokens, prompt included."""

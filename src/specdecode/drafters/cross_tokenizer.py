@@ -12,13 +12,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.core.sampling import SamplingParams
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Drafter
 from specdecode.runners import CachedSequence, ModelRunner
 
 TAIL_TOKENS = 4  # target tokens re-encoded with the draft text, so a word split at the boundary merges
 
 
-class CrossTokenizerDrafter:
+class CrossTokenizerDrafter(Drafter):
     name = "cross-tokenizer"
     per_sequence = False  # one draft model cache, shared: batches of one sequence
     depends_on_history = False

@@ -54,7 +54,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.tree import TreeBuilder
 from specdecode.errors import InvalidArgumentError
 from specdecode.runners.projection import W8A16Projection, own_kernel, projection, w8a16_projection
@@ -482,7 +482,7 @@ def _grown(tensor: torch.Tensor, used: int, needed: int, dim: int = 1) -> torch.
     return grown
 
 
-class HeadDrafter:
+class HeadDrafter(Drafter):
     """Drafts with a DraftHead from the target's hidden states of the accepted tokens
     (`hidden_layers`, which the decoder asks the target's runner for, and delivers through
     `learn_hidden`). A sequence whose features are missing (a runner that keeps none) gets no

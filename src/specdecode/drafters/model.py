@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.tree import TreeBuilder
 from specdecode.runners import CachedSequence, ModelRunner
 
 TREE_BRANCHING = 4  # children offered per expanded node, and nodes expanded per level
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     name = "model"
     per_sequence = False  # one draft model cache, shared: batches of one sequence
     depends_on_history = False

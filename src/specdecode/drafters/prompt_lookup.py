@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from specdecode.core.sampling import SamplingParams
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.tree import TreeBuilder
 from specdecode.errors import InvalidArgumentError
 
@@ -35,7 +35,7 @@ class TokenHistory:
         self.tokens = torch.cat([self.tokens, torch.tensor(token_ids + [SEPARATOR])])[-self.limit :]
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
     per_sequence = True
 

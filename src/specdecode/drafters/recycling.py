@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from specdecode.core.sampling import SamplingParams
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.tree import Acceptance, TreeBuilder, chain_share, tree_shape
 from specdecode.errors import InvalidArgumentError
@@ -132,7 +132,7 @@ def _levels(budget: int, acceptance: Acceptance) -> _Shape:
     return _Shape(*tree_shape(budget, acceptance))
 
 
-class RecyclingDrafter:
+class RecyclingDrafter(Drafter):
     name = "recycling"
     per_sequence = True  # forks share the table
     depends_on_history = True  # the table holds what earlier requests' logits wrote

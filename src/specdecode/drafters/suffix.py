@@ -12,10 +12,10 @@ import torch
 
 from specdecode.cache.draft_store import INDEX_BUDGET_TOKENS, DraftStore
 from specdecode.core.sampling import SamplingParams
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Drafter
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     name = "suffix"
     per_sequence = True  # forks share the store
     depends_on_history = True

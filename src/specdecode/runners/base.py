@@ -32,6 +32,12 @@ class ModelRunner(Protocol):
     # bitwise those of decoding its path alone, and keep() moves a path to consecutive
     # positions; False: pass parents=None (a chain), and keep() only crops
     verifies_trees: bool
+    # the layers whose hidden states a forward keeps (a draft head reads them; 0: the
+    # embeddings, i: layer i's output); (): none. A runner that records none ignores it.
+    hidden_layers: tuple[int, ...]
+    # what the last forward kept of its new rows: [n, len(hidden_layers), hidden], a list of
+    # them for a forward_batch (one per sequence), or None (none asked for, or none recorded)
+    hidden: torch.Tensor | list[torch.Tensor] | None
 
     @property
     def cache_length(self) -> int: ...

@@ -41,7 +41,7 @@ class HFModelRunner:
     # layer's output before the final norm. Set: every forward keeps them for its new rows in
     # `hidden` [n_new, len(hidden_layers), hidden] (a draft head reads them); (): nothing kept
     hidden_layers: tuple[int, ...] = ()
-    hidden: torch.Tensor | None = None
+    hidden: torch.Tensor | list[torch.Tensor] | None = None
 
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
