@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # the instruction-set extensions that oneDNN, ATen and MKL choose kernels by (prefixes of cpuinfo flags)
 ISA_FLAG_PREFIXES = ("sse", "ssse3", "avx", "amx", "fma", "f16c", "vnni")
@@ -21,6 +24,22 @@ KERNEL_ENV = (
     "MKL_CBWR",
     "MKL_DEBUG_CPU_TYPE",
 )
+
+
+# The builds of this package's int8 kernels (runners/csrc/w8a8.c, int8_layer.c), fastest first, with
+# the cpuinfo flags each needs: AVX512-VNNI (compiled for this CPU), AVX2 (compiled for x86-64-v3:
+# AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE and what v2 has) and portable C (any CPU). Every build
+# writes the same bits (integer sums, then the same float32 operations in the same order).
+KERNEL_ISAS = {
+    "avx512-vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    "avx2": frozenset(
+        {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave"}
+        | {"cx16", "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2"}
+    ),
+    "portable": frozenset(),
+}
+# forces one of KERNEL_ISAS that this CPU runs (the tests run the AVX2 build on AVX-512 CPUs)
+KERNEL_ISA_VARIABLE = "SPECDECODE_KERNEL_ISA"
 
 
 @functools.cache
@@ -51,6 +70,32 @@ def has_amx() -> bool:
 def has_avx512() -> bool:
     """AVX-512 (AMD Zen 4 and later, most Xeons): oneDNN's float32 and bfloat16 kernels use it."""
     return "avx512f" in cpu_flags()
+
+
+def runnable_kernel_isas() -> tuple[str, ...]:
+    """The builds of the int8 kernels this CPU runs, fastest first (portable always)."""
+    return tuple(isa for isa, needs in KERNEL_ISAS.items() if needs <= cpu_flags())
+
+
+def kernel_isa() -> str:
+    """Which build of the int8 kernels runs: the one SPECDECODE_KERNEL_ISA names where this CPU
+    runs it, else the fastest this CPU runs. The one place that chooses (int8_kernel.load asks it
+    once per process; the response cache's fingerprint names it)."""
+    runnable = runnable_kernel_isas()
+    forced = os.environ.get(KERNEL_ISA_VARIABLE, "").strip().lower()
+    if forced in runnable:
+        return forced
+    if forced:
+        _refuse(forced, runnable)
+    return runnable[0]
+
+
+@functools.cache
+def _refuse(forced: str, runnable: tuple[str, ...]) -> None:  # once per value
+    log.warning(
+        "%s=%s ignored: this CPU runs %s (an unknown name, or a build for instructions it lacks)",
+        KERNEL_ISA_VARIABLE, forced, ", ".join(runnable),
+    )  # fmt: skip
 
 
 def kernel_choices() -> dict[str, object]:

@@ -1,10 +1,15 @@
-"""Bit-for-bit comparisons of the kernels' outputs, and the inputs that try them."""
+"""Bit-for-bit comparisons of the kernels' outputs, the inputs that try them, and the builds of
+the int8 kernels to run them on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 
 import torch
+
+from specdecode import cpu
 
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 
@@ -38,3 +43,32 @@ def same_bits_on_one_thread_and_two(product: Callable[[torch.Tensor], torch.Tens
         return same_bits(product(x), two)
     finally:
         torch.set_num_threads(threads)
+
+
+def kernel_isas() -> tuple[str, ...]:
+    """The builds of the int8 kernels this CPU runs (AVX512-VNNI, AVX2, portable), fastest first:
+    what the kernel tests run on, each compared with the same reference."""
+    return cpu.runnable_kernel_isas()
+
+
+@contextlib.contextmanager
+def forced_kernel_isa(isa: str) -> Iterator[None]:
+    """The process's int8 kernels (the products, w8a16 and the C decoder layers of runners built
+    inside) from the `isa` build, as SPECDECODE_KERNEL_ISA forces it; the choice is made again
+    after. Fails where that build is not the one that loads (a test would compare a build with
+    itself)."""
+    from specdecode.runners import int8_kernel
+
+    previous, kept = os.environ.get(cpu.KERNEL_ISA_VARIABLE), list(int8_kernel._ready)
+    os.environ[cpu.KERNEL_ISA_VARIABLE] = isa
+    int8_kernel._ready.clear()  # load() chooses again, from the variable
+    try:
+        kernel = int8_kernel.load()
+        assert kernel is None or kernel.isa == isa, f"{isa} forced, {kernel.isa} loaded"
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(cpu.KERNEL_ISA_VARIABLE, None)
+        else:
+            os.environ[cpu.KERNEL_ISA_VARIABLE] = previous
+        int8_kernel._ready[:] = kept

@@ -6,17 +6,21 @@ layers run on torch operations.
 
 The paths are forced as tests/runners/test_w8a8.py forces them: a runner whose `_int8_layers` is
 None runs the torch path (the state of a runner where the library did not load), and a failing
-`_build` stands for a machine without gcc.
+`_build` stands for a machine without gcc. The tests run on every build of the kernels this CPU
+runs (the `isa` fixture: AVX512-VNNI, AVX2, portable C), and the builds' logits are compared bit
+for bit.
 """
 
 import ctypes
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import helpers
-from helpers import assert_drafted_and_accepted, head64_llama
+from helpers import assert_drafted_and_accepted, head64_llama, same_bits
+from helpers.bits import forced_kernel_isa, kernel_isas
 from specdecode import SpeculativeEngine
 from specdecode.cache.response_cache import runner_variant
 from specdecode.drafters import PromptLookupDrafter
@@ -28,15 +32,23 @@ EVERY_PRODUCT = Int8Recipe(keep_float=(), smoothing=0.0)
 
 def _kernels_here() -> bool:
     kernel = int8_kernel.load() if projection.int8_supported() else None
-    return kernel is not None and kernel.vnni and int8_layer.load() is not None
+    return kernel is not None and projection.own_kernel() is not None and int8_layer.load() is not None
 
 
-pytestmark = pytest.mark.skipif(not _kernels_here(), reason="no AVX512-VNNI w8a8 kernel or no gcc here")
+pytestmark = pytest.mark.skipif(not _kernels_here(), reason="no own w8a8 product or no gcc here")
+
+
+@pytest.fixture(params=kernel_isas())
+def isa(request) -> Iterator[str]:
+    """Each build of the int8 kernels this CPU runs, forced for the test (helpers.bits)."""
+    with forced_kernel_isa(request.param):
+        yield request.param
 
 
 def c_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16, **config) -> FastLlamaRunner:
     runner = FastLlamaRunner(head64_llama(seed, dtype, **config), "w8a8", recipe)
     assert runner.layer_kernel is not None and runner.verifies_trees  # the C layers run
+    assert runner._int8_layers._kernel.isa == int8_kernel.load().isa  # the build the products run
     return runner
 
 
@@ -56,11 +68,11 @@ def verified_differs_from_alone(runner: FastLlamaRunner, n: int) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("n", [1, 8, 16])
-def test_a_token_in_a_chain_gets_the_logits_of_decoding_it_alone(n, dtype):
+def test_a_token_in_a_chain_gets_the_logits_of_decoding_it_alone(n, dtype, isa):
     assert verified_differs_from_alone(c_runner(Int8Recipe(), dtype=dtype), n) == 0
 
 
-def test_biases_and_one_key_head_a_query_group():
+def test_biases_and_one_key_head_a_query_group(isa):
     """q|k|v and o biases (Llama's attention_bias, as Qwen2's q|k|v), and every query head on one
     key/value head: still row by row, and still the torch path's model."""
     config = dict(attention_bias=True, kv_heads=1)
@@ -70,7 +82,7 @@ def test_biases_and_one_key_head_a_query_group():
     assert (c - t).abs().max() <= 0.05 * t.abs().max()
 
 
-def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
+def test_tree_nodes_get_the_logits_of_decoding_their_path_alone(isa):
     runner = c_runner()
     ids = tokens(60)
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4, 5])
@@ -87,7 +99,7 @@ def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
         assert torch.equal(tree[i : i + 1], alone), i
 
 
-def test_a_prefill_gives_the_bits_of_decoding_its_tokens_one_at_a_time():
+def test_a_prefill_gives_the_bits_of_decoding_its_tokens_one_at_a_time(isa):
     """Prefills run on the C layers too (the kernel's causal plan): the keys they write are those
     one-token decoding writes, so what later forwards read does not depend on how a prefix came."""
     runner = c_runner()
@@ -98,7 +110,7 @@ def test_a_prefill_gives_the_bits_of_decoding_its_tokens_one_at_a_time():
     assert torch.equal(prefilled, one_at_a_time)
 
 
-def test_sequences_of_a_batch_get_their_logits_alone():
+def test_sequences_of_a_batch_get_their_logits_alone(isa):
     """Three sequences in every forward: prefills beside each other, then a verification chain,
     one-token decoding and a tree in one forward."""
     runner = c_runner()
@@ -118,7 +130,7 @@ def test_sequences_of_a_batch_get_their_logits_alone():
         assert torch.equal(run([i])[0], together[i]), i
 
 
-def test_a_plan_that_lets_a_token_see_the_others_ties_it_to_them(monkeypatch):
+def test_a_plan_that_lets_a_token_see_the_others_ties_it_to_them(monkeypatch, isa):
     """Negative control of the chain test: every new token attending to all of them."""
 
     def sees_every_new_token(length: int, n: int):
@@ -150,20 +162,20 @@ def _python_product(shared_scale: bool):
 
 
 @pytest.mark.parametrize("shared_scale", [False, True], ids=["per-row-scale", "shared-scale"])
-def test_a_scale_shared_by_the_rows_of_a_product_ties_a_token_to_the_others(shared_scale):
+def test_a_scale_shared_by_the_rows_of_a_product_ties_a_token_to_the_others(shared_scale, isa):
     """Negative control through the C layers' own product call: with the kernel's quantization in
     Python the rows stay independent (so the wrapper is not what breaks them); one scale for the
     rows of a product makes verified tokens differ from decoding them alone."""
     runner = c_runner()
     callback, address = _python_product(shared_scale)
-    runner._int8_layers._kernel = int8_layer.Int8Layers(runner._int8_layers._kernel._library, address)
+    runner._int8_layers._kernel = int8_layer.Int8Layers(runner._int8_layers._kernel._library, address, isa)
     differ = verified_differs_from_alone(runner, 8)
     assert (differ > 0) == shared_scale
     del callback
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_the_c_layers_are_the_torch_path_s_model_to_rounding(dtype):
+def test_the_c_layers_are_the_torch_path_s_model_to_rounding(dtype, isa):
     """The same model: logits within rounding of the torch path's (in float32 not bit for bit:
     the rms norm sums and silu's exp are the C file's own)."""
     ids = tokens(60)
@@ -175,7 +187,7 @@ def test_the_c_layers_are_the_torch_path_s_model_to_rounding(dtype):
         assert not torch.equal(c, t)  # other bits: the C layers did run
 
 
-def test_speculation_equals_target_only_decoding_of_the_same_engine():
+def test_speculation_equals_target_only_decoding_of_the_same_engine(isa):
     runner = c_runner(Int8Recipe())
     engine = SpeculativeEngine(runner, drafter=PromptLookupDrafter(), num_speculative_tokens=6)  # k pinned
     prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
@@ -195,7 +207,7 @@ def test_the_fingerprint_names_the_c_layers():
 
 
 def test_without_the_library_the_layers_run_on_torch_operations(monkeypatch, caplog):
-    def no_compiler(key: str):
+    def no_compiler(key: str, isa: str):
         raise RuntimeError("no gcc on PATH")
 
     ids, verified = tokens(40), tokens(8, seed=5)
@@ -212,7 +224,7 @@ def test_without_the_library_the_layers_run_on_torch_operations(monkeypatch, cap
     assert runner_variant(without) == runner_variant(torch_runner())
 
 
-def test_hidden_states_come_from_the_c_layers_row_by_row():
+def test_hidden_states_come_from_the_c_layers_row_by_row(isa):
     """hidden_layers (what the draft head reads) from the same C call: layer 0's input is the
     embedding, and a verified token's states are those of decoding it alone."""
     runner = c_runner()
@@ -227,3 +239,41 @@ def test_hidden_states_come_from_the_c_layers_row_by_row():
     alone = [(runner.forward(new[j : j + 1], 1), runner.hidden) for j in range(6)]
     assert torch.equal(together[0], torch.cat([logits for logits, _ in alone]))
     assert torch.equal(together[1], torch.cat([hidden for _, hidden in alone]))
+
+
+def forwards(runner: FastLlamaRunner) -> list[torch.Tensor]:
+    """Logits and hidden states of every kind of forward: three prefills in one forward, then a
+    chain of 5, one token and a tree of 4 beside each other, then one-token decoding."""
+    runner.hidden_layers = (0, 1, len(runner.layers))
+
+    def hidden() -> list[torch.Tensor]:  # a tensor, or one per sequence
+        return list(runner.hidden) if isinstance(runner.hidden, list) else [runner.hidden]
+
+    caches = [runner.new_cache() for _ in range(3)]
+    prompts = [tokens(n, seed=s) for n, s in ((70, 3), (12, 4), (27, 5))]  # past a 64-query attention chunk
+    results = runner.forward_batch(caches, prompts, [2, 2, 2]) + hidden()
+    parents = [None, None, torch.tensor([-1, 0, 0, 1])]
+    new = [tokens(5, seed=6), tokens(1, seed=7), tokens(4, seed=8)]
+    results += runner.forward_batch(caches, new, [5, 1, 4], parents) + hidden()
+    runner.reset()
+    return results + [runner.forward(tokens(1, seed=9), 1)] + hidden()
+
+
+@pytest.mark.skipif(len(kernel_isas()) < 2, reason="this CPU runs one build of the kernels")
+@pytest.mark.parametrize(
+    "config", [dict(dtype=torch.bfloat16), dict(dtype=torch.float32), dict(attention_bias=True, kv_heads=1)],
+    ids=["bf16", "fp32", "biases-one-kv-head"],
+)  # fmt: skip
+def test_every_build_writes_the_layers_bits_of_the_fastest(config):
+    """The C layers of the AVX2 and portable builds (the layer source compiled for that
+    instruction set, calling that build's product) against AVX512-VNNI's: prefills, chains, a tree
+    and one-token decoding in batches of sequences, logits and hidden states, bit for bit (the
+    norm, rope, silu and attention are the same float operations in the same order on each)."""
+    fastest, *others = kernel_isas()
+    with forced_kernel_isa(fastest):
+        expected = forwards(c_runner(Int8Recipe(), **config))
+    for isa in others:
+        with forced_kernel_isa(isa):
+            runner = c_runner(Int8Recipe(), **config)
+            assert runner._int8_layers._kernel.isa == isa
+            assert all(same_bits(a, b) for a, b in zip(forwards(runner), expected, strict=True)), isa

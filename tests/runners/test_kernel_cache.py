@@ -157,3 +157,25 @@ def test_a_build_records_the_digest_of_its_library(fresh_build, tmp_path, monkey
 def test_another_library_is_an_os_error_not_an_attribute_error():
     with pytest.raises(OSError, match="sd_abi_version"):
         native.open_library(libm_file(), 1)
+
+
+def test_each_instruction_set_has_a_key_of_its_own_and_the_key_reads_the_included_files(tmp_path):
+    """The int8 kernels are built once per instruction set (native.ISA_FLAGS, part of the key),
+    and from the files their source includes: an edit of an included header builds again."""
+    source = native.CSRC / "w8a8.c"
+    assert native.sources(source) == (source, native.CSRC / "w8a8_scalar.h")
+    assert native.CSRC / "tree_attention.c" in native.sources(native.CSRC / "int8_layer.c")
+    keys = {isa: native.build_key(source, isa) for isa in ("native", "avx2", "portable")}
+    assert len(set(keys.values())) == 3
+    assert native.build_key(source, "avx512-vnni") == keys["native"]  # the same flags (the file names differ)
+    copies = []
+    for name in ("as-is", "edited"):
+        folder = tmp_path / name
+        folder.mkdir()
+        for path in native.sources(source):
+            (folder / path.name).write_bytes(path.read_bytes())
+        copies.append(folder / source.name)
+    header = copies[1].with_name("w8a8_scalar.h")
+    header.write_text(header.read_text() + "/* edited */\n")
+    assert native.build_key(copies[0], "avx2") == keys["avx2"]
+    assert native.build_key(copies[1], "avx2") != keys["avx2"]

@@ -3,16 +3,20 @@ own scale in ~15-bit integers, exact integer sums (the C kernel's two byte sums 
 torch's float64 products of integers) and w8a8's epilogue. The C kernel gives the torch
 reference's bits; a verified token's logits are those of decoding it alone (negative control: one
 activation scale for the batch); speculation equals target-only decoding; the response cache's
-fingerprint names the head's kind; without the kernel the same bits come from torch.
+fingerprint names the head's kind; without the kernel the same bits come from torch. The kernel
+tests run on every build of the kernels this CPU runs (the `isa` fixture: AVX512-VNNI, AVX2,
+portable C), and the builds are compared bit for bit.
 """
 
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import helpers
 from helpers import assert_drafted_and_accepted, awkward_rows, head64_llama, same_bits, same_bits_on_one_thread_and_two
+from helpers.bits import forced_kernel_isa, kernel_isas
 from specdecode import SpeculativeEngine
 from specdecode.cache.response_cache import runner_variant
 from specdecode.drafters import PromptLookupDrafter
@@ -23,7 +27,14 @@ from specdecode.runners.projection import W8A16Projection, w8a16_projection
 pytestmark = pytest.mark.skipif(not projection.int8_supported(), reason="no oneDNN int8 products in this torch")
 
 HEAD_W8A16 = Int8Recipe(keep_float=(), w8a16=("head",))  # the layers w8a8 and smoothed, the head w8a16
-needs_kernel = pytest.mark.skipif(projection.own_kernel() is None, reason="no AVX512-VNNI kernel or no gcc here")
+needs_kernel = pytest.mark.skipif(projection.own_kernel() is None, reason="no own w8a8 kernel or no gcc here")
+
+
+@pytest.fixture(params=kernel_isas())
+def isa(request) -> Iterator[str]:
+    """Each build of the int8 kernels this CPU runs, forced for the test (helpers.bits)."""
+    with forced_kernel_isa(request.param):
+        yield request.param
 
 
 def tokens(n: int, seed: int = 1) -> torch.Tensor:
@@ -63,7 +74,7 @@ def test_the_torch_path_is_exact_and_close_to_the_float_product():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_c_kernel_gives_the_torch_reference_s_bits(dtype):
+def test_the_c_kernel_gives_the_torch_reference_s_bits(dtype, isa):
     """Shapes with a last group of 40 columns and more inputs than the limit's 16383 allows at
     full range; 1 to 40 rows (tiles of 3 rows, threads by columns); zeros, huge and denormal
     rows; biases; all-positive rows and weights, whose sums pass 2^24 (the float conversion rounds)."""
@@ -92,7 +103,7 @@ def test_the_c_kernel_gives_the_torch_reference_s_bits(dtype):
 
 
 @needs_kernel
-def test_one_thread_and_two_give_the_same_bits():
+def test_one_thread_and_two_give_the_same_bits(isa):
     product = w8a16_projection(torch.randn(3072, 576, generator=torch.Generator().manual_seed(7)), None)
     assert same_bits_on_one_thread_and_two(product, wide_rows(20, 576, torch.bfloat16, seed=8))
 
@@ -109,7 +120,7 @@ def verified_differs_from_alone(r: FastLlamaRunner, n: int) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("n", [1, 8, 16])
-def test_a_verified_token_gets_the_logits_of_decoding_it_alone(n, dtype):
+def test_a_verified_token_gets_the_logits_of_decoding_it_alone(n, dtype, isa):
     assert verified_differs_from_alone(runner(dtype=dtype), n) == 0
 
 
@@ -122,13 +133,13 @@ def per_batch_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_one_activation_scale_for_the_batch_would_tie_a_token_to_the_others(monkeypatch, dtype):
+def test_one_activation_scale_for_the_batch_would_tie_a_token_to_the_others(monkeypatch, dtype, isa):
     """Negative control of the test above, in the head alone (the layers keep their C call)."""
     monkeypatch.setattr(projection, "wide_row_quantization", per_batch_scale)
     assert verified_differs_from_alone(runner(dtype=dtype), 8) > 0
 
 
-def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
+def test_tree_nodes_get_the_logits_of_decoding_their_path_alone(isa):
     r = runner()
     ids = tokens(60)
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4, 5])
@@ -145,7 +156,7 @@ def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
         assert torch.equal(tree[i : i + 1], alone), i
 
 
-def test_speculation_equals_target_only_decoding_of_the_same_engine():
+def test_speculation_equals_target_only_decoding_of_the_same_engine(isa):
     r = runner(tie_word_embeddings=True)
     engine = SpeculativeEngine(r, drafter=PromptLookupDrafter(), num_speculative_tokens=6)  # k pinned
     prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
@@ -176,7 +187,7 @@ def test_a_tied_embedding_is_read_from_the_head_s_codes_and_its_16_bit_copy_free
     """Row t is code row t times scale t (close to the embedding, not equal: 8 bits); a head with
     a float copy keeps the embedding matrix; freed, the model's embedding leaves the same logits."""
     if kernel and projection.own_kernel() is None:
-        pytest.skip("no AVX512-VNNI kernel or no gcc here")
+        pytest.skip("no own w8a8 kernel or no gcc here")
     if not kernel:
         monkeypatch.setattr(projection, "own_kernel", lambda: None)
     model = head64_llama(0, torch.bfloat16, tie_word_embeddings=True)
@@ -224,7 +235,7 @@ def test_without_the_kernel_the_head_runs_torch_s_operations_with_the_same_bits(
     with_kernel._int8_layers = None  # the layers on torch's path on both sides (their C call is its own)
     expected = [with_kernel.forward(ids, 3), with_kernel.forward(verified, 8)]
 
-    def no_compiler(key: str):
+    def no_compiler(key: str, isa: str):
         raise RuntimeError("no gcc on PATH")
 
     monkeypatch.setattr(int8_kernel, "_loaded", {})
@@ -251,3 +262,54 @@ def test_the_default_head_is_w8a16_where_the_kernel_runs_else_the_model_s_dtype(
     elsewhere = FastLlamaRunner(model, "w8a8")
     assert not isinstance(elsewhere.lm_head, W8A16Projection | projection.Int8Projection)
     assert "16-bit" not in precision_of(model, elsewhere)
+
+
+several_builds = pytest.mark.skipif(
+    projection.own_kernel() is None or len(kernel_isas()) < 2, reason="this CPU runs one build of the kernels"
+)
+
+
+@several_builds
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_build_writes_the_head_s_bits_of_the_fastest(dtype):
+    """w8a16 products of the AVX2 and portable builds against AVX512-VNNI's: the quantization's
+    bytes and scales, the product in one call and after it; awkward rows (zeros, denormal and huge
+    scales, exact halves at the largest code, a NaN, an infinity), 1 to 40 rows, last groups of 1 to
+    63 columns, inputs that are no multiple of 8 or 16, and more inputs than the full 16383 allows."""
+    builds = [int8_kernel.load(isa) for isa in kernel_isas()]
+    generator = torch.Generator().manual_seed(5)
+    for out, inputs in ((1000, 576), (64, 1536), (40, 5000), (7, 20), (65, 68)):
+        weight = torch.randn(out, inputs, generator=generator)
+        for bias in (None, torch.randn(out, generator=generator).to(dtype)):
+            with forced_kernel_isa(kernel_isas()[0]):
+                product = w8a16_projection(weight, bias)
+            packed = (product.weight, product.compensation, product.scales)
+            for n in (1, 2, 3, 4, 5, 7, 16, 40):
+                x = wide_rows(n, inputs, dtype, seed=n + out)
+                if n > 4:
+                    x[3, -1], x[4, 0] = float("nan"), float("inf")
+                codes, row_scales = builds[0].wide_quantize_rows(x)
+                expected = builds[0].wide_quantized_product(x, *packed, bias)
+                for build in builds[1:]:
+                    theirs = build.wide_quantize_rows(x)
+                    assert torch.equal(theirs[0], codes) and same_bits(theirs[1], row_scales), (build.isa, out, n)
+                    assert same_bits(build.wide_quantized_product(x, *packed, bias), expected), (build.isa, out, n)
+                    two_calls = build.wide_product(codes, row_scales, *packed, bias, dtype)
+                    assert same_bits(two_calls, expected), (build.isa, out, inputs, n)
+
+
+@several_builds
+def test_every_build_writes_the_runner_s_logits_of_the_fastest():
+    """A runner with the w8a16 head (its layers the C decoder layers), each build forced: logits of
+    a prefill, a verification chain and a tree, bit for bit."""
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2])
+
+    def logits(isa: str) -> list[torch.Tensor]:
+        with forced_kernel_isa(isa):
+            r = runner(tie_word_embeddings=True)
+            out = [r.forward(tokens(40), 3), r.forward(tokens(8, seed=2), 8)]
+            return out + [r.forward(tokens(6, seed=3), 6, parents)]
+
+    expected = logits(kernel_isas()[0])
+    for isa in kernel_isas()[1:]:
+        assert all(same_bits(a, b) for a, b in zip(logits(isa), expected, strict=True)), isa

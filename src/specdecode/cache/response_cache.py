@@ -126,8 +126,10 @@ def kernel_fingerprint() -> list:
     """What chooses the kernels and how they sum, beyond the weights: torch's and transformers'
     versions, torch's build (its oneDNN and MKL versions, the CPU capability ATen dispatches
     to: torch.__config__.show()), the float32 matmul precision, torch's thread count (float32
-    products split their sums by threads, so another count can give other bits), and the CPU's model,
-    instruction-set extensions and the variables that cap them (cpu.kernel_choices)."""
+    products split their sums by threads, so another count can give other bits), the CPU's model,
+    instruction-set extensions and the variables that cap them (cpu.kernel_choices), and which
+    build of this package's int8 kernels runs (cpu.kernel_isa: AVX512-VNNI, AVX2 or portable; the
+    builds give the same bits, tested, and the key still names the one that ran)."""
     import transformers
 
     return [
@@ -137,6 +139,7 @@ def kernel_fingerprint() -> list:
         torch.get_float32_matmul_precision(),
         torch.get_num_threads(),
         cpu.kernel_choices(),
+        cpu.kernel_isa(),
     ]
 
 

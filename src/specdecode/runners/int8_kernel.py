@@ -1,10 +1,15 @@
-"""The w8a8 products' float work in C (csrc/w8a8.c): the per-row activation quantization and the
-epilogue (sums times row scales, to the model's dtype, plus bias), built on first use
-(native.py) and loaded with ctypes.
+"""The w8a8 products in C (csrc/w8a8.c): the per-row activation quantization, the epilogue (sums
+times row scales, to the model's dtype, plus bias) and the whole product on the own packed
+layout, built on first use (native.py) and loaded with ctypes.
 
-On AVX512-VNNI it also runs w8a16 (projection.W8A16Projection): the same packed int8 weights
-times activations quantized per row to ~15-bit integers, each code split into two bytes for two
-`vpdpbusd` sums, recombined exactly in int32 (the C file states why), with the w8a8 epilogue.
+It also runs w8a16 (projection.W8A16Projection): the same packed int8 weights times activations
+quantized per row to ~15-bit integers, summed exactly in int32 (the C file states why), with the
+w8a8 epilogue.
+
+The source is built for one instruction set of cpu.KERNEL_ISAS (AVX512-VNNI, AVX2, portable C),
+which cpu.kernel_isa chooses once per process from the CPU's flags, or SPECDECODE_KERNEL_ISA
+forces. Every build gives the same bits (integer sums, then the same float32 operations in the
+same order; tests/runners/test_w8a8.py compares them on a CPU that runs all of them).
 
 Each call replaces a sequence of torch operations (projection.quantize_rows_torch, and
 `(sums * row_scales).to(dtype) + bias`) and gives their bits: the same float32 operations in the
@@ -24,12 +29,13 @@ from pathlib import Path
 
 import torch
 
+from specdecode.cpu import kernel_isa, runnable_kernel_isas
 from specdecode.runners import native
 
 log = logging.getLogger(__name__)
 
 SOURCE = native.CSRC / "w8a8.c"
-ABI_VERSION = 4
+ABI_VERSION = 5
 GROUP = 64  # output columns of a packed group (the C file's GROUP)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 WIDE_ACTIVATION_LIMIT = 16383  # w8a16's largest activation code: 15 bits, whose high byte + 128 is a uint8
@@ -61,7 +67,11 @@ class Int8Kernel:
         functions = (self._quantize, self._epilogue, self._product, self._quantized_product)
         for function in functions + (self._quantize16, self._product16, self._quantized_product16):
             function.restype = ctypes.c_int
-        self.vnni = bool(library.sd_w8a8_vnni())  # built with AVX512-VNNI: product() runs
+        library.sd_kernel_isa.restype = ctypes.c_char_p
+        self.isa = library.sd_kernel_isa().decode()  # the instruction set its inner loops were built for
+        # product() runs on every build; projection.own_kernel reads this name, from when only the
+        # AVX512-VNNI build multiplied (where the own products run is its choice)
+        self.vnni = True
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:  # [n, in]
@@ -154,7 +164,7 @@ class Int8Kernel:
         self,
         x: torch.Tensor,  # [n, in], supports(x)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # int32 codes [n, in], float32 scales [n, 1]
-        """w8a16's row quantization (the C file's, needing VNNI): the codes recomposed from the bytes
+        """w8a16's row quantization (the C file's): the codes recomposed from the bytes
         the product reads, code = 256 * (hi - 128) + lo."""
         n, k = x.shape
         bytes_ = torch.empty(2, n, k, dtype=torch.uint8)
@@ -235,26 +245,34 @@ def wide_activation_limit(k: int) -> int:
     return min(WIDE_ACTIVATION_LIMIT, (2**31 - 1) // (WEIGHT_LIMIT * k))
 
 
-def load() -> Int8Kernel | None:
-    """The kernel, built for this CPU once per process (and once per machine and source); None
-    where it cannot be built, with one warning."""
-    if _ready:
+def load(isa: str | None = None) -> Int8Kernel | None:
+    """The kernel built for `isa` (one of cpu.runnable_kernel_isas()), by default for the one
+    cpu.kernel_isa() chooses, once per process (and once per machine, source and instruction
+    set); None where it cannot be built, with one warning."""
+    if isa is None and _ready:
         return _ready[0]
+    if isa is not None and isa not in runnable_kernel_isas():
+        raise ValueError(f"this CPU does not run the {isa} build (it runs {', '.join(runnable_kernel_isas())})")
     with _lock:
-        key = native.build_key(SOURCE)
+        chosen = isa or kernel_isa()
+        key = f"{chosen}-{native.build_key(SOURCE, chosen)}"
         if key not in _loaded:
-            _loaded[key] = _load(key)
-        _ready[:] = [_loaded[key]]
+            _loaded[key] = _load(key, chosen)
+        if isa is None:
+            _ready[:] = [_loaded[key]]
         return _loaded[key]
 
 
-def _load(key: str) -> Int8Kernel | None:
+def _load(key: str, isa: str) -> Int8Kernel | None:
     try:
-        return Int8Kernel(native.open_library(_build(key), ABI_VERSION))
+        kernel = Int8Kernel(native.open_library(_build(key, isa), ABI_VERSION))
+        if kernel.isa != isa:  # flags that did not select the section they name
+            raise OSError(f"the {isa} build of {SOURCE.name} compiled its {kernel.isa} sections")
+        return kernel
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         log.warning("w8a8 kernel unavailable (%s): its products run on torch operations", error)
         return None
 
 
-def _build(key: str) -> Path:  # a test replaces it with a failing build
-    return native.build(SOURCE, key)
+def _build(key: str, isa: str) -> Path:  # a test replaces it with a failing build
+    return native.build(SOURCE, key, isa)

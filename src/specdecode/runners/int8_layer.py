@@ -1,8 +1,8 @@
 """The w8a8 Llama decoder's layers in one C call a forward (csrc/int8_layer.c): built on first
 use (native.py), loaded with ctypes.
 
-On CPUs where the w8a8 product kernel runs its own VNNI product (int8_kernel.py) and the tree
-attention kernel is used (tree_attention.py), FastLlamaRunner with quantization="w8a8" runs
+Where the w8a8 product kernel runs its own product (int8_kernel.py) and the tree attention
+kernel is used (tree_attention.py), FastLlamaRunner with quantization="w8a8" runs
 every decoder layer of a forward here: the rms norms, the products (the w8a8 kernel's function,
 by pointer), rope, the KV-cache writes, attention (tree_attention.c, compiled into this
 library), silu * mul and the residual sums, for every row of every sequence of the forward. It
@@ -13,8 +13,9 @@ file states the arithmetic), so tokens keep the same bits alone, verified in a c
 or among other sequences' rows. The rms norm's sum and silu's exp are the C file's, not torch's:
 these are other bits than the torch path's (close: the same model), so the runner runs every
 forward of such a model here, prefills too, and `kernel_identity()` goes into the response
-cache's fingerprint. Without gcc, or if the build fails, `load()` returns None (one warning)
-and the layers run on torch operations.
+cache's fingerprint. It is built for the product kernel's instruction set (cpu.kernel_isa), and
+gives the same bits on each (tests/runners/test_int8_layer.py). Without gcc, or if the build
+fails, `load()` returns None (one warning) and the layers run on torch operations.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class Int8Layers:
     """The decoder layers of one runner: its weights' pointers fixed once (`bind`), then one call
     a forward."""
 
-    def __init__(self, library: ctypes.CDLL, product: int):
+    def __init__(self, library: ctypes.CDLL, product: int, isa: str):
         self._library = library  # kept: the function below points into it
+        self.isa = isa  # the instruction set of this library and of the product it calls
         self._call = library.sd_int8_decoder
         self._call.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._call.restype = ctypes.c_int
@@ -155,32 +157,29 @@ class BoundLayers:
 
 
 def load() -> Int8Layers | None:
-    """The decoder, built for this CPU once per process (and once per machine and sources); None
-    where it cannot be built or where the w8a8 kernel has no VNNI product to call, with one warning."""
+    """The decoder, built for the w8a8 kernel's instruction set once per process (and once per
+    machine, sources and instruction set); None where it or the w8a8 kernel it calls cannot be
+    built, with one warning."""
     with _lock:
         product_kernel = int8_kernel.load()
-        if product_kernel is None or not product_kernel.vnni:
+        if product_kernel is None:
             return None
-        key = _build_key()
+        isa = product_kernel.isa
+        key = f"{isa}-{native.build_key(SOURCE, isa)}"  # the included sources are in the key
         if key not in _loaded:
-            _loaded[key] = _load(key, product_kernel)
+            _loaded[key] = _load(key, isa, product_kernel)
         return _loaded[key]
 
 
-def _build_key() -> str:  # the included tree attention source is part of what is built
-    keys = native.build_key(SOURCE) + native.build_key(tree_attention.SOURCE)
-    return hashlib.sha256(keys.encode()).hexdigest()[:20]
-
-
-def _load(key: str, product_kernel: int8_kernel.Int8Kernel) -> Int8Layers | None:
+def _load(key: str, isa: str, product_kernel: int8_kernel.Int8Kernel) -> Int8Layers | None:
     try:
-        library = native.open_library(_build(key), ABI_VERSION)
+        library = native.open_library(_build(key, isa), ABI_VERSION)
         product = ctypes.cast(product_kernel._quantized_product, ctypes.c_void_p).value
-        return Int8Layers(library, product)
+        return Int8Layers(library, product, isa)
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         log.warning("int8 decoder layer kernel unavailable (%s): the w8a8 layers run on torch operations", error)
         return None
 
 
-def _build(key: str) -> Path:  # a test replaces it with a failing build
-    return native.build(SOURCE, key)
+def _build(key: str, isa: str) -> Path:  # a test replaces it with a failing build
+    return native.build(SOURCE, key, isa)

@@ -83,7 +83,11 @@ static inline vf dt_round(vf y, int dtype) { /* to the model's dtype and back (f
     return (vf)((rounded & ~nan) | ((bits | 0x400000u) & 0xffff0000u & nan)); /* NaN: quiet, as float_to_bf16 */
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Built for the w8a8 kernel's instruction set (int8_layer.py): AVX-512's masked loads and stores
+ * where the build has them (not the portable one, which runs the plain C below on every CPU), else
+ * one element at a time. Loads are exact and both stores round to nearest even (NaN: quiet, as
+ * float_to_bf16), so every build writes the same bits. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(SD_PORTABLE)
 static inline __mmask16 first(int count) { return count >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u); }
 
 static inline vf load_row(const void *p, int dtype, int64_t i, int count) { /* zeros past count */

@@ -18,15 +18,22 @@
  * then contiguous + e is cache position extra[e]. Every other expression is written out in C and
  * compiled with -ffp-contract=off and without -ffast-math: the compiler may vectorize it (lanes
  * are independent elements) but neither fuse a multiply into an add nor reassociate a sum. The
- * fused multiply-adds are explicit (fma_lanes: one rounding, IEEE's, on every instruction set).
+ * fused multiply-adds are explicit (fma_lanes, or _mm256_fmadd_ps on AVX2: one rounding, IEEE's,
+ * on every instruction set).
  * So an element gets the same bits in any lane, block, work item or thread.
  *
  * Grouped-query attention: query head h reads key/value head h / (heads / kv_heads); the rows of
  * a group's query heads share each key and value loaded.
  */
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+/* AVX2 builds (int8_layer.c's for AVX2 CPUs): gcc keeps 16-lane vectors in memory there and runs
+ * fma_lanes a lane at a time, so the two fma loops below (scores, weighted values) run on the two
+ * 8-lane halves in registers: the same fused multiply-adds, element by element, in the same order */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define SD_AVX2_HALVES 1
 #endif
 #ifdef _OPENMP
 #include <omp.h>
@@ -161,12 +168,18 @@ static void transpose_keys(float *restrict kt, const char *const *rows, int coun
             memset(block + l * dp, 0, (size_t)dp * sizeof(float));
         }
     }
+#if defined(__AVX512F__)
     for (int c = 0; c < dp; c += LANES) {
         vf r[LANES];
         for (int l = 0; l < LANES; l++) r[l] = load_lanes(block + l * dp + c);
         transpose16(r);
         for (int t = 0; t < LANES; t++) store_lanes(kt + (long)(c + t) * LANES, r[t]);
     }
+#else /* without 16-lane registers gcc runs transpose16's shuffles through memory, a lane at a time:
+       * the plain loop is faster there (int8_layer.c's AVX2 build), and moves the same bits */
+    for (int t = 0; t < dp; t++)
+        for (int l = 0; l < LANES; l++) kt[(long)t * LANES + l] = block[l * dp + t];
+#endif
 }
 
 /* ---- scores: score = (sum over t in order of q[t] * k[t], each step one fma) * scale ---- */
@@ -174,6 +187,27 @@ static void transpose_keys(float *restrict kt, const char *const *rows, int coun
 #define QK_ROWS 4
 
 /* QK_ROWS query rows against `blocks` (1 or 2) transposed key blocks; out[r] gets 16 * blocks scores */
+#ifdef SD_AVX2_HALVES
+static inline __attribute__((always_inline)) void scores_rows(const float *const *q, const float *kt, long kt_stride,
+                                                              int blocks, int d, float scale, float *const *out) {
+    for (int b = 0; b < blocks; b++) { /* a block at a time: 4 rows x 2 halves in registers */
+        __m256 acc[QK_ROWS][2];
+        for (int r = 0; r < QK_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int t = 0; t < d; t++) {
+            const float *k = kt + b * kt_stride + (long)t * LANES;
+            __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + LANES / 2);
+            for (int r = 0; r < QK_ROWS; r++) {
+                __m256 qt = _mm256_set1_ps(q[r][t]);
+                acc[r][0] = _mm256_fmadd_ps(qt, k0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(qt, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < QK_ROWS; r++) {
+            _mm256_storeu_ps(out[r] + b * LANES, _mm256_mul_ps(acc[r][0], _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(out[r] + b * LANES + LANES / 2, _mm256_mul_ps(acc[r][1], _mm256_set1_ps(scale)));
+        }
+    }
+}
+#else
 static inline __attribute__((always_inline)) void scores_rows(const float *const *q, const float *kt, long kt_stride,
                                                               int blocks, int d, float scale, float *const *out) {
     vf acc[QK_ROWS][2];
@@ -187,6 +221,7 @@ static inline __attribute__((always_inline)) void scores_rows(const float *const
     for (int r = 0; r < QK_ROWS; r++)
         for (int b = 0; b < blocks; b++) store_lanes(out[r] + b * LANES, acc[r][b] * splat(scale));
 }
+#endif
 
 /* ---- weights: p_j in place over s[0 .. length), zeros up to the next multiple of 16; returns their sum ---- */
 
@@ -222,6 +257,28 @@ static float softmax_weights(float *restrict s, long length) {
 
 /* rows r < count (of PV_ROWS), weights p[r][j], over value rows values + j * stride for j in [0, m),
  * for the 16-lane blocks b0 .. b0 + nb - 1 of d (an output element's sum is the same in any chunk) */
+#ifdef SD_AVX2_HALVES
+static inline __attribute__((always_inline)) void weigh_values(vf (*acc)[MAX_BLOCKS], const float *const *p,
+                                                               int count, const float *values, long stride, long m,
+                                                               int b0, const int nb) {
+    for (int b = 0; b < nb; b++) { /* a block at a time: 4 rows x 2 halves in registers */
+        __m256 a[PV_ROWS][2];
+        for (int r = 0; r < PV_ROWS; r++)
+            for (int h = 0; h < 2; h++) a[r][h] = _mm256_loadu_ps((const float *)&acc[r][b] + h * LANES / 2);
+        for (long j = 0; j < m; j++) {
+            const float *v = values + j * stride + (b0 + b) * LANES;
+            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + LANES / 2);
+            for (int r = 0; r < PV_ROWS; r++) {
+                if (r >= count) break;
+                __m256 pj = _mm256_set1_ps(p[r][j]);
+                a[r][0] = _mm256_fmadd_ps(pj, v0, a[r][0]), a[r][1] = _mm256_fmadd_ps(pj, v1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < PV_ROWS; r++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps((float *)&acc[r][b] + h * LANES / 2, a[r][h]);
+    }
+}
+#else
 static inline __attribute__((always_inline)) void weigh_values(vf (*acc)[MAX_BLOCKS], const float *const *p,
                                                                int count, const float *values, long stride, long m,
                                                                int b0, const int nb) {
@@ -239,6 +296,7 @@ static inline __attribute__((always_inline)) void weigh_values(vf (*acc)[MAX_BLO
     for (int r = 0; r < PV_ROWS; r++)
         for (int b = 0; b < nb; b++) acc[r][b] = a[r][b];
 }
+#endif
 
 static void weigh_values_any(vf (*acc)[MAX_BLOCKS], const float *const *p, int count, const float *values,
                              long stride, long m, int b0, int nb) {
