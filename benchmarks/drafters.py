@@ -65,7 +65,7 @@ def drafters(engine: SpeculativeEngine, k_max: int, model_drafters: bool = True)
     cross = CrossTokenizerDrafter(runner_for(gemma), gemma_tokenizer, engine.tokenizer)
     return lookup_family | {
         "self-quantized bf16, k=4": (self_quantized_drafter(target, "bfloat16"), 4, False),
-        "self-quantized int8, k=4": (self_quantized_drafter(target, "int8"), 4, False),
+        "self-quantized int8, k=4": (self_quantized_drafter(target, "int8-weight-only"), 4, False),
         "cross-tokenizer gemma3-270m, k=4": (cross, 4, False),
         f"auto (lookup + cross-tokenizer gemma3), adaptive k<={k_max}": (
             AutoDrafter([PromptLookupDrafter(), copy.copy(cross)]),

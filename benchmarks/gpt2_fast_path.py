@@ -16,11 +16,10 @@ from __future__ import annotations
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from specdecode import SpeculativeEngine
+from specdecode import SpeculativeEngine, precision
 from specdecode.bench.interleave import interleave, medians
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.bench.tables import markdown_table
-from specdecode.loading import resolve_dtype
 from specdecode.runners.fast_gpt2 import FastGPT2Runner
 
 SHAPES = {
@@ -64,7 +63,8 @@ def main() -> None:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser = script_parser(__doc__, device=default_device, dtype="auto", max_new_tokens=128, rounds=3)
     args = parser.parse_args()
-    dtype = resolve_dtype(args.dtype, torch.device(args.device))
+    # a model loaded alone: "auto" is float32 (no fast path known, as loading.load_model resolves it)
+    dtype = precision.resolve(args.dtype, where=precision.Circumstances(torch.device(args.device))).dtype
     prompt = torch.randint(0, 50257, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
     rows = []
     for name, shape in SHAPES.items():

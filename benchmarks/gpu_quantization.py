@@ -34,7 +34,7 @@ from specdecode.loading import bnb_config, load_model
 from specdecode.runners import runner_for
 
 PROMPTS = [COPY_PROMPTS[0], *OPEN_PROMPTS[:2]]  # one copy-type, two open-ended
-PRECISIONS = (None, "nf4", "int8")  # None: bfloat16
+PRECISIONS = (None, "nf4", "llm-int8")  # None: bfloat16
 
 
 def random_gpt2_pair(folder: Path) -> tuple[Path, GPT2LMHeadModel]:

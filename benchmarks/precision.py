@@ -32,7 +32,7 @@ HF = "transformers generate, float32"
 def variants(model):
     """(name, runner, weight bytes a forward reads) for each precision."""
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    int8 = runner_for(model, quantization="int8")
+    int8 = runner_for(model, quantization="int8-weight-only")
     products = [p for layer in int8.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     int8_bytes = sum(p.nbytes for p in products) + int8.lm_head.nbytes
     return [

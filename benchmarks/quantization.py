@@ -38,7 +38,7 @@ PRECISIONS = {
     "float32": ("float32", None, "auto"),
     "float32, transformers runner": ("float32", None, "transformers"),
     "bfloat16": ("bfloat16", None, "auto"),
-    "int8 (LLM.int8), float32 elsewhere": ("float32", "int8", "auto"),
+    "int8 (LLM.int8), float32 elsewhere": ("float32", "llm-int8", "auto"),
     "nf4, float32 elsewhere": ("float32", "nf4", "auto"),
     "fp4, float32 elsewhere": ("float32", "fp4", "auto"),
     "nf4, bfloat16 elsewhere": ("bfloat16", "nf4", "auto"),

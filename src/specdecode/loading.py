@@ -90,17 +90,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """precision.resolve_dtype for a model loaded alone, with no fast path known: "auto" is
-    float32 here. SpeculativeEngine.from_pretrained, which knows the runner, decides auto
-    through runners.select.chosen_dtype (the same rule, given the runner). On CUDA nothing yet
-    shows that verifying k + 1 tokens, or a batch, gives each row the bits of decoding it alone
-    in half precision (benchmarks/gpu_exactness.py checks it)."""
-    return precision.resolve_dtype(dtype, device)
-
-
-# the target's, through bitsandbytes (--quantization): names and the older spellings
-QUANTIZATIONS = tuple(spelling for q in precision.QUANTIZATIONS if q.bitsandbytes for spelling in (q.name, *q.aliases))
 # What 4-bit leaves in the model's dtype: the output head (as transformers does by default)
 # and the MLPs' down projections, whose inputs have the widest range: keeping them halves the
 # perplexity cost of 4 bits (docs/quantization.md, benchmarks/quantization.py).
@@ -145,36 +134,32 @@ def check_bitsandbytes(device: torch.device) -> None:
         ) from None
 
 
-def bnb_config(quantization: str, device: torch.device):
-    """transformers' BitsAndBytesConfig for nf4, fp4 (4-bit, blocks of 64) or llm-int8 (LLM.int8;
-    "int8", its older spelling)."""
+def bnb_config(quantization: str | precision.Quantization, device: torch.device):
+    """transformers' BitsAndBytesConfig for nf4, fp4 (4-bit, blocks of 64) or llm-int8 (LLM.int8)."""
     from transformers import BitsAndBytesConfig
 
     named = precision.quantization_named(quantization, precision.TARGET)
+    assert named is not None  # quantization is not None
     if not named.bitsandbytes:
-        raise InvalidArgumentError(
-            f"{named.name} is quantized by the fast runner, not by bitsandbytes as the model loads: "
-            "load the model in float and pass the quantization to runner_for",
-            "quantization",
-        )
+        raise _quantized_by_the_runner(named)
     check_bitsandbytes(device)
-    if named.name == "llm-int8":
+    if named is precision.LLM_INT8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type=quantization,
+        bnb_4bit_quant_type=named.name,  # bitsandbytes' own names for its 4-bit kinds are ours
         bnb_4bit_compute_dtype=bnb_compute_dtype(device),
         llm_int8_skip_modules=list(FOUR_BIT_KEEPS),
     )
 
 
 def quantization_of(model: torch.nn.Module) -> str | None:
-    """ "nf4", "fp4" or "int8" for a model whose layers are bitsandbytes', else None."""
+    """The name of a model's bitsandbytes quantization ("nf4", "fp4" or "llm-int8"), else None."""
     for module in model.modules():
         kind = type(module).__name__
         if type(module).__module__.startswith("bitsandbytes") and kind.startswith("Linear"):
             if "8bit" in kind:
-                return "int8"
+                return precision.LLM_INT8.name
             weight = getattr(module, "weight", None)
             return getattr(weight, "quant_type", None) or "nf4"
     return None
@@ -187,19 +172,21 @@ def precision_of(model: torch.nn.Module, runner=None) -> str:
     activations are 16-bit: Int8Recipe.w8a16)."""
     # transformers' dtype: its first floating-point weight's (bitsandbytes' packed weights are integers)
     dtype = str(getattr(model, "dtype", None) or next(model.parameters()).dtype).removeprefix("torch.")
-    own = getattr(runner, "quantization", None)
-    if own == "w8a8":
+    own = getattr(runner, "quantization", None)  # a precision.Quantization the fast runner applies
+    if own is precision.W8A8:
         wide = getattr(getattr(runner, "int8", None), "w8a16", ())
         detail = f"; 16-bit activations in {', '.join(wide)}" if wide else ""
         return f"w8a8 (int8 weights and activations{detail}), {dtype} elsewhere"
     if own is not None:
-        return f"{own} (fast runner), {dtype} elsewhere"
+        return f"{own.name} (fast runner), {dtype} elsewhere"
     quantization = quantization_of(model)
     if quantization is None:
         return dtype
     compute = next((m.compute_dtype for m in model.modules() if getattr(m, "compute_dtype", None) is not None), None)
     detail = (
-        f", {str(compute).removeprefix('torch.')} compute" if compute is not None and quantization != "int8" else ""
+        f", {str(compute).removeprefix('torch.')} compute"
+        if compute is not None and quantization != precision.LLM_INT8.name
+        else ""
     )
     return f"{quantization} (bitsandbytes{detail}), {dtype} elsewhere"
 
@@ -243,19 +230,23 @@ def load_config(name: str, trust_remote_code: bool = False) -> PretrainedConfig:
 def load_model(
     name: str,
     device: str = "auto",
-    dtype: str = "auto",
+    dtype: str | precision.Precision = "auto",
     trust_remote_code: bool = False,
     quantization: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a short name, a folder, a .gguf file or a Hub id.
-    quantization: "nf4", "fp4" or "int8" quantizes its linear layers with bitsandbytes as it loads
-    (the output head and embeddings stay in dtype), None keeps every weight in dtype."""
+    dtype: a precision resolved already (runners.select.resolve_precision, which knows the
+    runner and this CPU: the engine's), or the spellings of one, resolved here for a model loaded
+    alone ("auto": float32, no fast path known). A bitsandbytes quantization ("nf4", "fp4" or
+    "llm-int8") quantizes its linear layers as it loads (the output head and embeddings stay in
+    the dtype); a fast runner's (w8a8) is applied by runner_for, not here."""
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    quantized = {}
-    if quantization is not None:
+    chosen = _precision_to_load(dtype, quantization, torch_device)
+    quantized, kind = {}, chosen.loaded_quantized
+    if kind is not None:
+        config = bnb_config(kind, torch_device)
         # bitsandbytes places the quantized weights itself: a model of them cannot be moved after
-        quantized = dict(quantization_config=bnb_config(quantization, torch_device), device_map={"": torch_device})
+        quantized = dict(quantization_config=config, device_map={"": torch_device})
     source = _local_source(name)
     local_only = source is not None or not _hub_reachable()
     location = str(source) if source is not None else name
@@ -265,7 +256,7 @@ def load_model(
         )
         model = AutoModelForCausalLM.from_pretrained(
             location,
-            dtype=torch_dtype,
+            dtype=chosen.dtype,
             trust_remote_code=trust_remote_code,
             local_files_only=local_only,
             **quantized,
@@ -277,13 +268,34 @@ def load_model(
             raise
         # e.g. bitsandbytes' CPU 4-bit layout wants output sizes that are multiples of 32
         raise InvalidArgumentError(
-            f"bitsandbytes could not quantize '{name}' to {quantization}: {str(error).splitlines()[0]}",
+            f"bitsandbytes could not quantize '{name}' to {kind.name if kind else None}: {str(error).splitlines()[0]}",
             "quantization",
         ) from None
     if quantized:
         check_4bit_layout(model, name)
         copy_off_file_map(model)  # the layers' weights are quantized copies: the file's pages can go
     return (model if quantized else model.to(torch_device)).eval(), tokenizer
+
+
+def _precision_to_load(
+    dtype: str | precision.Precision, quantization: str | None, device: torch.device
+) -> precision.Precision:
+    if isinstance(dtype, precision.Precision):
+        if quantization is not None:
+            raise InvalidArgumentError("give the quantization in the precision, not beside it", "quantization")
+        return dtype
+    chosen = precision.resolve(dtype, quantization, precision.Circumstances(device))
+    if chosen.runner_quantization is not None:
+        raise _quantized_by_the_runner(chosen.runner_quantization)
+    return chosen
+
+
+def _quantized_by_the_runner(quantization: precision.Quantization) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{quantization.name} is quantized by the fast runner, not by bitsandbytes as the model loads: "
+        "load the model in float and pass the quantization to runner_for",
+        "quantization",
+    )
 
 
 def check_4bit_layout(model: torch.nn.Module, name: str = "the model") -> None:

@@ -1,23 +1,33 @@
-"""Every precision a model runs in, by name: one table of dtypes and quantizations, and the one
-rule for `--dtype auto`.
+"""Every precision a model runs in, by name, and the one rule that resolves a request into one.
 
-Each name means one thing. Older spellings stay accepted as aliases, resolved by the option
-that takes them: `--quantization int8` (the target) was and stays bitsandbytes' LLM.int8
-(`llm-int8`), while `--quantize int8` (`specdecode profile`) and `--draft-quantization int8`
-were and stay weight-only int8 on the fast path (`int8-weight-only`).
+A precision is a dtype (what the weights left in float are held in) and at most one
+quantization. Each has one name, spelled the same by every command and by the Python API:
+`--dtype` (dtype=) takes the dtypes, `--quantization` (quantization=) the quantizations, and
+`--draft-quantization` the self-quantized drafter's copy (bfloat16 or a quantization).
 
+Older spellings stay accepted, each with the meaning it had where it was taken, and a one-line
+deprecation warning naming the one spelling: `int8` is `llm-int8` for a target's
+`--quantization`, and `int8-weight-only` for `--draft-quantization`, for the fast runner's
+products (runner_for, FastLlamaRunner) and for `specdecode profile`, whose `--quantize` is the
+older spelling of its `--quantization`.
+
+`resolve` turns a request (the dtype and quantization spellings) and the circumstances (the
+device, this CPU, whether a fast path runs the model: runners.select.resolve_precision gathers
+them) into a `Precision`, once. Loaders and runners read its fields, not names.
 `--dtype auto` never picks a quantization: 8 bits are opted into by name (`--quantization
 w8a8`). With one, auto still decides the dtype of what stays in float.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from specdecode.errors import InvalidArgumentError
 
+logger = logging.getLogger(__name__)
 AUTO = "auto"
 
 
@@ -25,7 +35,7 @@ AUTO = "auto"
 class Dtype:
     name: str
     dtype: torch.dtype
-    aliases: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # short spellings, as good as the name (not deprecated)
 
 
 DTYPES = (
@@ -34,10 +44,13 @@ DTYPES = (
     Dtype("float16", torch.float16, ("fp16",)),
 )
 
-# the options that take a quantization name
+# who takes a quantization name; each is also the argument an error names
 TARGET = "quantization"  # --quantization, from_pretrained(quantization=...): the target
-PROFILE = "quantize"  # specdecode profile --quantize: the fast runner's products, to time them
+RUNNER = "runner_quantization"  # the fast runner's products: runner_for, FastLlamaRunner, `profile --quantization`
 DRAFT = "draft_quantization"  # --draft-quantization: the self-quantized drafter's copy
+PARAMS = {TARGET: "quantization", RUNNER: "quantization", DRAFT: "draft_quantization"}
+# how a warning names who took an older spelling (a target's and the runner's "int8" differ)
+SPELLED_BY = {TARGET: "--quantization", RUNNER: "the fast runner's quantization", DRAFT: "--draft-quantization"}
 
 
 @dataclass(frozen=True)
@@ -45,37 +58,87 @@ class Quantization:
     name: str
     what: str
     runner: str  # "transformers" (bitsandbytes' layers) or "fast" (the Llama-family fast runner)
-    options: tuple[str, ...]  # the options that take it (TARGET, PROFILE, DRAFT)
-    aliases: tuple[str, ...] = ()  # older spellings, accepted by those options
+    options: tuple[str, ...]  # who takes it (TARGET, RUNNER, DRAFT)
     bitsandbytes: bool = False  # loaded quantized by bitsandbytes (else quantized by the runner)
 
 
-QUANTIZATIONS = (
-    Quantization("nf4", "bitsandbytes 4-bit NormalFloat, blocks of 64", "transformers", (TARGET, DRAFT), (), True),
-    Quantization("fp4", "bitsandbytes 4-bit float, blocks of 64", "transformers", (TARGET, DRAFT), (), True),
-    Quantization(
-        "llm-int8",
-        "bitsandbytes LLM.int8: int8 weights, input columns past an outlier threshold in float",
-        "transformers",
-        (TARGET,),
-        ("int8",),
-        True,
-    ),
-    Quantization(
-        "w8a8",
-        "int8 weights per output channel, int8 activations per row (smoothed; the output head's 16-bit on "
-        "AVX512-VNNI), exact integer products",
-        "fast",
-        (TARGET, PROFILE),
-    ),
-    Quantization(
-        "int8-weight-only",
-        "int8 weights, one float scale per output row; activations in the dtype",
-        "fast",
-        (PROFILE, DRAFT),
-        ("int8",),
-    ),
+NF4 = Quantization("nf4", "bitsandbytes 4-bit NormalFloat, blocks of 64", "transformers", (TARGET, DRAFT), True)
+FP4 = Quantization("fp4", "bitsandbytes 4-bit float, blocks of 64", "transformers", (TARGET, DRAFT), True)
+LLM_INT8 = Quantization(
+    "llm-int8",
+    "bitsandbytes LLM.int8: int8 weights, input columns past an outlier threshold in float",
+    "transformers",
+    (TARGET,),
+    True,
 )
+W8A8 = Quantization(
+    "w8a8",
+    "int8 weights per output channel, int8 activations per row (smoothed; the output head's 16-bit on "
+    "AVX512-VNNI), exact integer products",
+    "fast",
+    (TARGET, RUNNER),
+)
+INT8_WEIGHT_ONLY = Quantization(
+    "int8-weight-only",
+    "int8 weights, one float scale per output row; activations in the dtype",
+    "fast",
+    (RUNNER, DRAFT),
+)
+QUANTIZATIONS = (NF4, FP4, LLM_INT8, W8A8, INT8_WEIGHT_ONLY)
+BNB_4BIT = (NF4, FP4)
+
+# older spellings, each with the meaning it had where it was taken: (who takes it, spelling) -> name
+OLDER_SPELLINGS = {
+    (TARGET, "int8"): LLM_INT8,
+    (RUNNER, "int8"): INT8_WEIGHT_ONLY,
+    (DRAFT, "int8"): INT8_WEIGHT_ONLY,
+}
+
+
+@dataclass(frozen=True)
+class Circumstances:
+    """What `--dtype auto` decides on besides the request (runners.select.resolve_precision reads
+    them off the model's config and this CPU)."""
+
+    device: torch.device = torch.device("cpu")
+    native_bfloat16: bool = False  # AVX512-BF16 or AMX, and oneDNN's bfloat16 products
+    fast_path: bool = False  # a fast runner will run the model (one supports it; not --runner transformers)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A model's precision, resolved once (`resolve`): the dtype of what stays in float and at
+    most one quantization. Loaders read `loaded_quantized` and `dtype`; the fast runner reads
+    `runner_quantization`."""
+
+    dtype: torch.dtype
+    quantization: Quantization | None = None
+    chosen: bool = False  # --dtype auto chose the dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def name(self) -> str:
+        """Stable: "bfloat16", or "w8a8, bfloat16 elsewhere"."""
+        if self.quantization is None:
+            return self.dtype_name
+        return f"{self.quantization.name}, {self.dtype_name} elsewhere"
+
+    @property
+    def loaded_quantized(self) -> Quantization | None:
+        """What bitsandbytes quantizes as the model loads (None: every weight loads in dtype)."""
+        return self.quantization if self.quantization is not None and self.quantization.bitsandbytes else None
+
+    @property
+    def runner_quantization(self) -> Quantization | None:
+        """What the fast runner quantizes from the float weights (None: its products stay in dtype)."""
+        return self.quantization if self.quantization is not None and not self.quantization.bitsandbytes else None
+
+    def in_float(self) -> Precision:
+        """This precision without its quantization (what a draft model loads in beside the target)."""
+        return Precision(self.dtype, None, self.chosen)
 
 
 def dtype_named(spelling: str) -> Dtype | None:
@@ -85,52 +148,102 @@ def dtype_named(spelling: str) -> Dtype | None:
     for entry in DTYPES:
         if spelling == entry.name or spelling in entry.aliases:
             return entry
-    names = ", ".join([AUTO] + [d.name for d in DTYPES])
-    raise InvalidArgumentError(f"unknown dtype '{spelling}'; use {names}", "dtype")
+    raise InvalidArgumentError(f"unknown dtype '{spelling}'; use {', '.join(dtype_names())}", "dtype")
 
 
-def quantization_named(spelling: str | None, option: str = TARGET) -> Quantization | None:
-    """The quantization a spelling names for that option (aliases included); None for None."""
+def dtype_names() -> tuple[str, ...]:
+    """What --dtype takes, auto first (help texts and errors list these)."""
+    return (AUTO, *(d.name for d in DTYPES))
+
+
+def quantization_named(spelling: str | Quantization | None, option: str = TARGET) -> Quantization | None:
+    """The quantization a spelling names for that option (older spellings warned of, once);
+    None for None; a Quantization as it is, if that option takes it."""
     if spelling is None:
         return None
+    if isinstance(spelling, Quantization):
+        if option not in spelling.options:
+            raise _unknown(spelling.name, option)
+        return spelling
     for entry in QUANTIZATIONS:
-        if option in entry.options and (spelling == entry.name or spelling in entry.aliases):
+        if option in entry.options and spelling == entry.name:
             return entry
-    choices = ", ".join(quantization_names(option))
-    raise InvalidArgumentError(f"unknown quantization '{spelling}'; choose one of: {choices}", option)
+    older = OLDER_SPELLINGS.get((option, spelling))
+    if older is None:
+        raise _unknown(spelling, option)
+    by = SPELLED_BY[option]
+    warn_older_spelling(f"{by} {spelling}", f"{by} {older.name}")
+    return older
 
 
 def quantization_names(option: str = TARGET) -> tuple[str, ...]:
-    """The names an option takes, without aliases (what help texts and errors list)."""
+    """The names an option takes, without older spellings (what help texts and errors list)."""
     return tuple(entry.name for entry in QUANTIZATIONS if option in entry.options)
 
 
-def resolve_dtype(
-    dtype: str,
-    device: torch.device,
-    *,
-    fast_path: bool = False,
-    runner: str = "auto",
-    quantization: str | None = None,
-    native_bfloat16: bool = False,
-) -> torch.dtype:
-    """The torch dtype a --dtype spelling loads. "auto" is the fastest dtype in which speculation
-    is shown exact here: bfloat16 on a CPU that multiplies it natively (native_bfloat16:
-    AVX512-BF16 or AMX, and oneDNN's bfloat16 products) for a model a fast path runs (fast_path;
-    its verifications and batches give each token its one-token bits there), without the
-    transformers runner; and for 4-bit bitsandbytes targets there (their layers compute in
-    bfloat16 anyway; runners/rowwise.py makes their verification exact). float32 everywhere
-    else: transformers' runner, LLM.int8 and CUDA are not shown exact in half precision, and a
-    CPU without those instructions runs bfloat16 slower than float32. A quantization keeps
-    auto's choice for what stays in float; auto itself never quantizes."""
-    named = dtype_named(dtype)
-    if named is not None:
-        return named.dtype
-    if device.type != "cpu" or not native_bfloat16:
+def draft_precision_named(spelling: str | Dtype | Quantization | None) -> Dtype | Quantization:
+    """What --draft-quantization names: the bfloat16 copy (a dtype), or a quantization of the
+    copy; None: bfloat16."""
+    if spelling is None or spelling == _BFLOAT16 or spelling in (_BFLOAT16.name, *_BFLOAT16.aliases):
+        return _BFLOAT16
+    if not isinstance(spelling, Dtype):
+        try:
+            return quantization_named(spelling, DRAFT) or _BFLOAT16
+        except InvalidArgumentError:
+            pass  # refused below, with bfloat16 among the choices
+    shown = spelling if isinstance(spelling, str) else spelling.name
+    choices = ", ".join(draft_precision_names())
+    raise InvalidArgumentError(f"unknown draft quantization '{shown}'; choose one of: {choices}", PARAMS[DRAFT])
+
+
+def draft_precision_names() -> tuple[str, ...]:
+    return (_BFLOAT16.name, *quantization_names(DRAFT))
+
+
+def resolve(
+    dtype: str = AUTO,
+    quantization: str | Quantization | None = None,
+    where: Circumstances = Circumstances(),
+    option: str = TARGET,
+) -> Precision:
+    """The precision a request names, decided once. "auto" is the fastest dtype in which
+    speculation is shown exact here: bfloat16 on a CPU that multiplies it natively
+    (where.native_bfloat16) for a model a fast path runs (where.fast_path; its verifications and
+    batches give each token its one-token bits there); and for 4-bit bitsandbytes targets there
+    (their layers compute in bfloat16 anyway; runners/rowwise.py makes their verification
+    exact). float32 everywhere else: transformers' runner, LLM.int8 and CUDA are not shown exact
+    in half precision (benchmarks/gpu_exactness.py checks it), and a CPU without those
+    instructions runs bfloat16 slower than float32. A quantization keeps auto's choice for what
+    stays in float; auto itself never quantizes."""
+    named = quantization_named(quantization, option)
+    chosen = dtype_named(dtype)
+    if chosen is not None:
+        return Precision(chosen.dtype, named)
+    return Precision(_auto_dtype(named, where), named, chosen=True)
+
+
+def _auto_dtype(quantization: Quantization | None, where: Circumstances) -> torch.dtype:
+    if where.device.type != "cpu" or not where.native_bfloat16:
         return torch.float32
-    chosen = quantization_named(quantization, TARGET) if quantization is not None else None
-    if chosen is not None and chosen.bitsandbytes:
-        return torch.bfloat16 if chosen.name in ("nf4", "fp4") else torch.float32
-    if runner == "transformers":
-        return torch.float32
-    return torch.bfloat16 if fast_path else torch.float32
+    if quantization is not None and quantization.bitsandbytes:
+        return torch.bfloat16 if quantization in BNB_4BIT else torch.float32
+    return torch.bfloat16 if where.fast_path else torch.float32
+
+
+_BFLOAT16 = DTYPES[1]
+_warned: set[str] = set()
+
+
+def _unknown(spelling: str, option: str) -> InvalidArgumentError:
+    choices = ", ".join(quantization_names(option))
+    return InvalidArgumentError(f"unknown quantization '{spelling}'; choose one of: {choices}", PARAMS[option])
+
+
+def warn_older_spelling(older: str, name: str) -> None:
+    """One line, once a process per spelling: a config resolved again (a server's replicas, a
+    benchmark's systems) does not repeat it."""
+    message = f"{older} is an older spelling of {name} (the same); it will be removed"
+    if message in _warned:
+        return
+    _warned.add(message)
+    logger.warning(message)

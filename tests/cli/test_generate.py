@@ -5,6 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from specdecode import precision
 from specdecode.cli import app
 
 runner = CliRunner()
@@ -173,10 +174,11 @@ def test_quantized_target_names_its_precision_and_reproduces_itself(bnb_model_di
     result = run(*args, "12", "--compare", "--json")
     assert result.exit_code == 0, result.output
     output = json.loads(result.stdout)
-    assert output["stats"]["target_precision"].startswith(f"{quantization} (bitsandbytes")
+    name = precision.quantization_named(quantization).name  # "int8", the older spelling, is llm-int8
+    assert output["stats"]["target_precision"].startswith(f"{name} (bitsandbytes")
     assert output["compare"]["identical_output"] is True
     human = run(*args, "6")
-    assert f"| target {quantization} (bitsandbytes" in human.stdout.splitlines()[-1]
+    assert f"| target {name} (bitsandbytes" in human.stdout.splitlines()[-1]
 
 
 def test_4bit_self_draft_from_the_command_line(bnb_model_dir):

@@ -134,7 +134,7 @@ def test_cli_builds_drafters_from_its_options(tiny_model_dir):
         ),
         (
             ["--drafter", "self-quantized", "--draft-quantization", "int8", "--min-confidence", "0.2"],
-            "self-quantized-int8",
+            "self-quantized-int8-weight-only",  # int8, the older spelling, names int8-weight-only
             "adaptive",
         ),
     ]:

@@ -4,6 +4,7 @@ import torch
 
 from helpers import tiny_llama, tiny_tokenizer
 from specdecode import loading as models
+from specdecode import precision
 
 
 def test_the_same_file_in_two_places_maps_to_one_converted_folder(tmp_path, monkeypatch):
@@ -54,6 +55,10 @@ def test_a_conversion_that_loses_the_race_keeps_the_winners_folder(tmp_path, mon
 def test_auto_precision_is_float32_on_cuda_until_half_precision_is_shown_exact_there():
     """On CUDA nothing yet shows that a verified row gets the bits of decoding it alone in half
     precision (benchmarks/gpu_exactness.py checks it), so `auto` keeps the exact float32."""
-    assert models.resolve_dtype("auto", torch.device("cuda")) == torch.float32
-    assert models.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert models.resolve_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16
+
+    def resolve_dtype(dtype, device):  # as load_model resolves a model loaded alone
+        return precision.resolve(dtype, None, precision.Circumstances(device)).dtype
+
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16

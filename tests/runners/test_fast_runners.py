@@ -351,23 +351,28 @@ def test_an_engine_keeps_one_copy_of_the_weights_and_decodes_as_with_two(tiny_mo
 
 
 def test_auto_dtype_is_bfloat16_only_where_a_fast_path_makes_it_exact_and_fast(monkeypatch):
+    from specdecode import precision
     from specdecode.runners import select
+
+    def auto_dtype(config, device, runner, quantization):
+        where = select.circumstances(config, device, runner)
+        return precision.resolve("auto", quantization, where).dtype
 
     llama = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4)
     cpu = torch.device("cpu")
     monkeypatch.setattr(select, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     if not quantization.onednn_supports(torch.bfloat16):
         pytest.skip("no oneDNN bfloat16 in this torch build")
-    assert select.auto_dtype(llama, cpu, "auto", None) == torch.bfloat16
-    assert select.auto_dtype(GPT2Config(n_layer=1), cpu, "fast", None) == torch.bfloat16
-    assert select.auto_dtype(llama, cpu, "transformers", None) == torch.float32  # not shown exact there
-    assert select.auto_dtype(llama, cpu, "auto", "nf4") == torch.bfloat16  # 4-bit: bfloat16 compute, rowwise.py
-    assert select.auto_dtype(llama, cpu, "auto", "int8") == torch.float32  # LLM.int8: not shown exact in bfloat16
-    assert select.auto_dtype(llama, torch.device("cuda"), "auto", None) == torch.float32
+    assert auto_dtype(llama, cpu, "auto", None) == torch.bfloat16
+    assert auto_dtype(GPT2Config(n_layer=1), cpu, "fast", None) == torch.bfloat16
+    assert auto_dtype(llama, cpu, "transformers", None) == torch.float32  # not shown exact there
+    assert auto_dtype(llama, cpu, "auto", "nf4") == torch.bfloat16  # 4-bit: bfloat16 compute, rowwise.py
+    assert auto_dtype(llama, cpu, "auto", "int8") == torch.float32  # LLM.int8: not shown exact in bfloat16
+    assert auto_dtype(llama, torch.device("cuda"), "auto", None) == torch.float32
     gelu = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, hidden_act="gelu")
-    assert select.auto_dtype(gelu, cpu, "auto", None) == torch.float32  # no fast path for it
+    assert auto_dtype(gelu, cpu, "auto", None) == torch.float32  # no fast path for it
     monkeypatch.setattr(select, "cpu_flags", lambda: frozenset({"avx2"}))  # bfloat16 emulated: slower
-    assert select.auto_dtype(llama, cpu, "auto", None) == torch.float32
+    assert auto_dtype(llama, cpu, "auto", None) == torch.float32
 
 
 def test_from_pretrained_names_the_dtype_auto_chose(tiny_model_dir):

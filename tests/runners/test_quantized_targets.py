@@ -2,6 +2,8 @@
 fp4 and int8 targets (--quantization) and 4-bit self-drafts: exact relative to the quantized model."""
 
 import copy
+import dataclasses
+import logging
 
 import bitsandbytes as bnb
 import pytest
@@ -114,8 +116,9 @@ def dequantized(qmodel, original):
 @pytest.mark.parametrize("quantization", BNB)
 def test_quantized_target_loads_from_a_folder_and_runs_on_transformers_runner(quantization, tmp_path):
     qmodel = quantized(bnb_llama(seed=1), quantization, tmp_path)
-    assert quantization_of(qmodel) == quantization
-    assert precision_of(qmodel).startswith(f"{quantization} (bitsandbytes")
+    name = precision.quantization_named(quantization).name  # "int8", the older spelling, is llm-int8
+    assert quantization_of(qmodel) == name
+    assert precision_of(qmodel).startswith(f"{name} (bitsandbytes")
     assert isinstance(runner_for(qmodel), HFModelRunner)  # never the fast path, which reads raw weights
     with pytest.raises(ValueError, match="transformers runner"):
         runner_for(qmodel, "fast")
@@ -322,7 +325,7 @@ def test_4bit_keeps_down_projections_in_float_on_row_independent_products(tmp_pa
 def test_each_spelling_names_one_precision_for_its_option():
     assert precision.quantization_named("int8", precision.TARGET).name == "llm-int8"  # as before: LLM.int8
     assert precision.quantization_named("llm-int8", precision.TARGET).bitsandbytes
-    assert precision.quantization_named("int8", precision.PROFILE).name == "int8-weight-only"
+    assert precision.quantization_named("int8", precision.RUNNER).name == "int8-weight-only"
     assert precision.quantization_named("int8", precision.DRAFT).name == "int8-weight-only"
     assert precision.quantization_named("w8a8", precision.TARGET).runner == "fast"
     assert precision.quantization_named(None) is None
@@ -334,21 +337,47 @@ def test_each_spelling_names_one_precision_for_its_option():
     assert precision.dtype_named("bf16").dtype == torch.bfloat16 and precision.dtype_named("auto") is None
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         precision.dtype_named("int8")  # 8 bits are a quantization, not a dtype
-    assert (
-        "llm-int8" in loading.QUANTIZATIONS and "int8" in loading.QUANTIZATIONS and "w8a8" not in loading.QUANTIZATIONS
-    )
+    assert precision.quantization_named("llm-int8").bitsandbytes and not precision.W8A8.bitsandbytes
 
 
 def test_dtype_auto_never_quantizes_and_keeps_its_choice_for_what_stays_in_float():
     cpu = torch.device("cpu")
-    native = dict(fast_path=True, native_bfloat16=True)
-    assert precision.resolve_dtype("auto", cpu, **native) == torch.bfloat16
-    assert precision.resolve_dtype("auto", cpu, quantization="w8a8", **native) == torch.bfloat16
-    assert precision.resolve_dtype("auto", cpu, quantization="llm-int8", **native) == torch.float32
-    assert precision.resolve_dtype("auto", cpu, quantization="int8", **native) == torch.float32  # the older spelling
-    assert precision.resolve_dtype("auto", cpu, fast_path=True, native_bfloat16=False) == torch.float32
-    assert precision.resolve_dtype("auto", cpu) == loading.resolve_dtype("auto", cpu) == torch.float32
-    assert precision.resolve_dtype("fp32", cpu, **native) == torch.float32
+    native = precision.Circumstances(cpu, fast_path=True, native_bfloat16=True)
+    assert precision.resolve("auto", None, native).dtype == torch.bfloat16
+    assert precision.resolve("auto", "w8a8", native).dtype == torch.bfloat16
+    assert precision.resolve("auto", "llm-int8", native).dtype == torch.float32
+    assert precision.resolve("auto", "int8", native).dtype == torch.float32  # the older spelling
+    assert precision.resolve("auto", None, precision.Circumstances(cpu, fast_path=True)).dtype == torch.float32
+    assert precision.resolve("auto", None, precision.Circumstances(cpu)).dtype == torch.float32  # a model alone
+    assert precision.resolve("fp32", None, native).dtype == torch.float32
+
+
+def test_an_older_spelling_keeps_its_meaning_with_one_line_once(monkeypatch, caplog):
+    monkeypatch.setattr(precision, "_warned", set())  # warned once a process: start afresh
+    with caplog.at_level(logging.WARNING, logger="specdecode.precision"):
+        assert precision.draft_precision_named("int8") is precision.INT8_WEIGHT_ONLY
+        assert precision.draft_precision_named("int8") is precision.INT8_WEIGHT_ONLY
+        assert precision.draft_precision_named("int8-weight-only") is precision.INT8_WEIGHT_ONLY  # no warning
+    assert [r.getMessage() for r in caplog.records] == [
+        "--draft-quantization int8 is an older spelling of --draft-quantization int8-weight-only (the same); "
+        "it will be removed"
+    ]
+
+
+def test_a_resolved_precision_is_one_immutable_object_that_loaders_and_runners_read():
+    w8a8 = precision.resolve("bf16", "w8a8")
+    assert (w8a8.dtype, w8a8.name, w8a8.chosen) == (torch.bfloat16, "w8a8, bfloat16 elsewhere", False)
+    assert w8a8.runner_quantization is precision.W8A8 and w8a8.loaded_quantized is None
+    assert w8a8.in_float() == precision.Precision(torch.bfloat16)
+    nf4 = precision.resolve("float32", precision.NF4)  # an object passes as it is
+    assert nf4 == precision.resolve("float32", "nf4") and nf4.loaded_quantized is precision.NF4
+    assert precision.resolve().chosen and precision.resolve().name == "float32"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        w8a8.dtype = torch.float32  # type: ignore[misc]
+    with pytest.raises(ValueError, match="unknown draft quantization 'w8a8'; choose one of: bfloat16, nf4, fp4"):
+        precision.draft_precision_named("w8a8")
+    with pytest.raises(ValueError, match="unknown quantization 'nf4'; choose one of: w8a8, int8-weight-only"):
+        runner_for(tiny_llama(seed=1), quantization=precision.NF4)  # bitsandbytes' kinds load quantized
 
 
 def test_w8a8_is_not_a_bitsandbytes_config():

@@ -7,12 +7,16 @@ stream, and the tests below prove those logits bitwise equal to one-token decodi
 verification shape (chains, trees, ragged batches); the accept rule's law is tested on exact
 logits elsewhere (tests/decoder/test_sampling_law.py, tests/decoder/test_trees.py). Equal bits leave no
 distribution to test.
+
+The tests of the kernels run on every build of them this CPU runs (the `isa` fixture forces each:
+AVX512-VNNI, AVX2, portable C), and the builds are compared with each other bit for bit.
 """
 
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,7 +31,8 @@ from helpers import (
     same_bits_on_one_thread_and_two,
     tiny_tokenizer,
 )
-from specdecode import InvalidArgumentError, SpeculativeEngine
+from helpers.bits import forced_kernel_isa, kernel_isas
+from specdecode import InvalidArgumentError, SpeculativeEngine, cpu, precision
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.runners import int8_kernel, native, projection
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
@@ -37,6 +42,13 @@ pytestmark = pytest.mark.skipif(not int8_supported(), reason="no oneDNN int8 pro
 
 EVERY_PRODUCT = Int8Recipe(keep_float=(), smoothing=0.0)  # the head too, and no smoothing
 RECIPES = [pytest.param(EVERY_PRODUCT, id="all-int8"), pytest.param(Int8Recipe(), id="default-smoothed")]
+
+
+@pytest.fixture(params=kernel_isas())
+def isa(request) -> Iterator[str]:
+    """Each build of the int8 kernels this CPU runs, forced for the test (helpers.bits)."""
+    with forced_kernel_isa(request.param):
+        yield request.param
 
 
 def int8_runner(recipe: Int8Recipe = EVERY_PRODUCT, seed: int = 0, dtype=torch.bfloat16) -> FastLlamaRunner:
@@ -62,7 +74,7 @@ def per_batch_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale.expand(x.shape[0], 1).contiguous()
 
 
-def test_int8_products_give_a_row_the_same_bits_alone_and_among_others():
+def test_int8_products_give_a_row_the_same_bits_alone_and_among_others(isa):
     """Product level, past the 32 rows below which oneDNN's float kernels are row-independent."""
     weight = torch.randn(300, 1536, generator=torch.Generator().manual_seed(0))
     product = int8_projection(weight, None)
@@ -84,17 +96,17 @@ def test_int8_products_are_close_to_the_float_product():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 16])
-def test_a_verified_token_gets_the_logits_of_decoding_it_alone(recipe, n):
+def test_a_verified_token_gets_the_logits_of_decoding_it_alone(recipe, n, isa):
     assert verified_differs_from_alone(int8_runner(recipe), n) == 0
 
 
-def test_one_activation_scale_for_the_whole_batch_would_tie_a_token_to_the_others(monkeypatch):
+def test_one_activation_scale_for_the_whole_batch_would_tie_a_token_to_the_others(monkeypatch, isa):
     """Negative control of the test above: quantized on the batch's scale, rows differ."""
     monkeypatch.setattr(projection, "row_quantization", per_batch_scale)
     assert verified_differs_from_alone(int8_runner(), 8) > 0
 
 
-def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
+def test_tree_nodes_get_the_logits_of_decoding_their_path_alone(isa):
     runner = int8_runner()
     ids = tokens(60)
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4, 5])  # two roots, branches, depth 5
@@ -111,7 +123,7 @@ def test_tree_nodes_get_the_logits_of_decoding_their_path_alone():
         assert torch.equal(tree[i : i + 1], alone), i
 
 
-def test_ragged_batches_give_each_sequence_its_logits_alone():
+def test_ragged_batches_give_each_sequence_its_logits_alone(isa):
     runner = int8_runner()
     generator = torch.Generator().manual_seed(2)
     sequences = [torch.randint(0, 256, (n,), generator=generator) for n in (40, 12, 27, 9)]
@@ -130,7 +142,7 @@ def test_ragged_batches_give_each_sequence_its_logits_alone():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_speculation_over_the_8_bit_target_equals_its_own_target_only_decoding(recipe):
+def test_speculation_over_the_8_bit_target_equals_its_own_target_only_decoding(recipe, isa):
     engine = SpeculativeEngine(int8_runner(recipe), drafter=PromptLookupDrafter(), num_speculative_tokens=6)  # k pinned
     prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
     target_only = [r.token_ids for r in engine.generate(prompts, max_new_tokens=60, speculative=False)]
@@ -234,7 +246,7 @@ def test_from_pretrained_takes_w8a8_by_name_and_says_so(tmp_path):
     engine = SpeculativeEngine.from_pretrained(
         str(tmp_path), quantization="w8a8", dtype="bfloat16", drafter="prompt-lookup", num_speculative_tokens=6
     )
-    assert engine.target_runner.quantization == "w8a8"
+    assert engine.target_runner.quantization is precision.W8A8
     prompt = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3]
     speculative = engine.generate(prompt, max_new_tokens=40)
     assert_drafted_and_accepted(speculative)
@@ -259,20 +271,15 @@ kernel = int8_kernel.load()
 needs_own_product = pytest.mark.skipif(projection.own_kernel() is None, reason="no AVX512-VNNI: oneDNN's products run")
 
 
-@pytest.fixture(scope="module", params=["as built", "without AVX-512"])
-def c_kernel(request, tmp_path_factory) -> int8_kernel.Int8Kernel:
-    """The kernel as built for this CPU, and the same source built without AVX-512 (its scalar
-    quantization and epilogue, what CPUs without AVX-512 run)."""
+@pytest.fixture(scope="module", params=kernel_isas())
+def c_kernel(request) -> int8_kernel.Int8Kernel:
+    """Each build of the kernel this CPU runs: AVX512-VNNI's, AVX2's and the portable C (which
+    CPUs without AVX2 run), each loaded as SPECDECODE_KERNEL_ISA would choose it."""
     if kernel is None:
         pytest.skip("no C compiler: the products run torch's operations")
-    if request.param == "as built":
-        return kernel
-    path = tmp_path_factory.mktemp("w8a8") / "w8a8-without-avx512.so"
-    command = ["gcc", *native.flags(), "-mno-avx512f", "-o", str(path), str(int8_kernel.SOURCE), "-lm"]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
-    portable = int8_kernel.Int8Kernel(native.open_library(path, int8_kernel.ABI_VERSION))
-    assert not portable.vnni
-    return portable
+    built = int8_kernel.load(request.param)
+    assert built is not None and built.isa == request.param
+    return built
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -328,7 +335,7 @@ def onednn_twin(product: Int8Projection, weight: torch.Tensor) -> Int8Projection
 
 @needs_own_product
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_own_int8_kernel_gives_onednn_s_bits(dtype):
+def test_the_own_int8_kernel_gives_onednn_s_bits(dtype, isa):
     """Products of the model's shapes (and a last group of 40 columns), 1 to 40 rows, in one call
     and after a separate quantization; the all-positive case makes sums beyond 2^24, where the
     int32 to float32 conversion rounds."""
@@ -344,7 +351,9 @@ def test_the_own_int8_kernel_gives_onednn_s_bits(dtype):
                 expected = onednn(x)
                 assert same_bits(own(x), expected), (out, inputs, n)  # one call, quantizing too
                 codes, row_scales = projection.quantize_rows(x)  # and after a quantization of its own
-                two_calls = kernel.product(codes, row_scales, own.weight, own.compensation, own.scales, bias, dtype)
+                two_calls = int8_kernel.load().product(
+                    codes, row_scales, own.weight, own.compensation, own.scales, bias, dtype
+                )
                 assert same_bits(two_calls, expected), (out, inputs, n)
     weight = torch.rand(64, 1536, generator=generator) * 0.1 + 1.0  # codes 116 .. 127
     positive = (torch.rand(3, 1536, generator=generator) * 0.1 + 1.0).to(dtype)
@@ -355,7 +364,7 @@ def test_the_own_int8_kernel_gives_onednn_s_bits(dtype):
 
 
 @needs_own_product
-def test_the_own_int8_kernel_gives_the_same_bits_on_one_thread_and_on_two():
+def test_the_own_int8_kernel_gives_the_same_bits_on_one_thread_and_on_two(isa):
     """Threads split the product by output columns and the quantization by rows: no sum is split."""
     product = int8_projection(torch.randn(3072, 576, generator=torch.Generator().manual_seed(7)), None)
     assert same_bits_on_one_thread_and_two(product, awkward_rows(20, 576, torch.bfloat16, seed=8))
@@ -379,11 +388,11 @@ def test_without_the_c_kernel_w8a8_runs_torch_s_operations_with_the_same_bits(mo
     ids, verified = tokens(40), tokens(8, seed=5)
     with_kernels = int8_runner()
     # the layers on torch operations on both sides: the C layers (int8_layer.py, needing the
-    # VNNI product) are their own arithmetic, fingerprinted apart (tests/runners/test_int8_layer.py)
+    # own product) are their own arithmetic, fingerprinted apart (tests/runners/test_int8_layer.py)
     with_kernels._int8_layers = None
     expected = [with_kernels.forward(ids, 3), with_kernels.forward(verified, 8)]
 
-    def no_compiler(key: str):
+    def no_compiler(key: str, isa: str):
         raise RuntimeError("no gcc on PATH")
 
     monkeypatch.setattr(int8_kernel, "_loaded", {})
@@ -395,3 +404,149 @@ def test_without_the_c_kernel_w8a8_runs_torch_s_operations_with_the_same_bits(mo
     assert all(p.compensation is None for layer in without.layers for p in (layer.qkv, layer.o, layer.gate_up))
     assert same_bits(without.forward(ids, 3), expected[0]) and same_bits(without.forward(verified, 8), expected[1])
     assert runner_variant(without) == runner_variant(with_kernels)
+
+
+# ---- the builds (cpu.KERNEL_ISAS): chosen from the CPU's flags, and the same bits on each ----
+
+several_builds = pytest.mark.skipif(
+    kernel is None or len(kernel_isas()) < 2, reason="this CPU runs one build of the kernels, or none is built"
+)
+
+
+def with_nan_and_inf(x: torch.Tensor) -> torch.Tensor:  # [n, in]: a NaN and an infinity in two rows
+    x = x.clone()
+    if x.shape[0] > 4:
+        x[3, -1] = float("nan")
+        x[4, 0] = float("inf")
+    return x
+
+
+def packed_weight(out: int, inputs: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random weight codes (every value of -127 .. 127) in the own layout, their compensation, scales."""
+    codes = torch.randint(-127, 128, (out, inputs), generator=generator, dtype=torch.int8)
+    compensation = codes.sum(dim=1, dtype=torch.int32) * projection.ACTIVATION_ZERO_POINT
+    return int8_kernel.Int8Kernel.pack(codes), compensation, torch.rand(out, generator=generator) * 0.01
+
+
+def differing_products(build: int8_kernel.Int8Kernel, reference: int8_kernel.Int8Kernel, dtype) -> list:
+    """The products (shape, rows) whose bits differ between two builds: awkward rows (zeros,
+    denormal and huge scales, exact halves, a NaN, an infinity), 1 to 40 rows (every remainder of
+    each build's row tiles), last groups of 1 to 63 columns, inputs that are no multiple of 8 or 16
+    (the vector sections' tails), with and without a bias; in one call and after a quantization
+    (which must give the same codes and scales)."""
+    generator, differ = torch.Generator().manual_seed(11), []
+    for out, inputs in ((576, 576), (960, 1536), (1, 4), (7, 20), (65, 68), (130, 1540)):
+        packed, compensation, scales = packed_weight(out, inputs, generator)
+        for bias in (None, torch.randn(out, generator=generator).to(dtype)):
+            for n in (1, 2, 3, 4, 5, 6, 7, 13, 40):
+                x = with_nan_and_inf(awkward_rows(n, inputs, dtype, seed=n + out))
+                expected = reference.quantized_product(x, packed, compensation, scales, bias)
+                codes, row_scales = reference.quantize_rows(x)
+                theirs = build.quantize_rows(x)
+                two_calls = build.product(codes, row_scales, packed, compensation, scales, bias, dtype)
+                same = torch.equal(theirs[0], codes) and same_bits(theirs[1], row_scales)
+                same = same and same_bits(two_calls, expected)
+                if not (same and same_bits(build.quantized_product(x, packed, compensation, scales, bias), expected)):
+                    differ.append((out, inputs, n, bias is not None))
+    return differ
+
+
+@several_builds
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_build_writes_the_bits_of_the_fastest(dtype):
+    """The AVX2 and portable builds against AVX512-VNNI's (the fastest build this CPU runs)."""
+    fastest, *others = kernel_isas()
+    for isa in others:
+        assert differing_products(int8_kernel.load(isa), int8_kernel.load(fastest), dtype) == [], isa
+    # the all-positive case: integer sums past 2^24, where the int32 to float32 conversion rounds
+    weight = torch.rand(64, 1536, generator=torch.Generator().manual_seed(12)) * 0.1 + 1.0  # codes 116 .. 127
+    positive = (torch.rand(3, 1536, generator=torch.Generator().manual_seed(13)) * 0.1 + 1.0).to(dtype)
+    with forced_kernel_isa(fastest):
+        product = int8_projection(weight, None)
+        expected = product(positive)
+    assert (product.sums(projection.quantize_rows(positive)[0]) / product.scales).abs().min() > 2**24
+    for isa in others:
+        with forced_kernel_isa(isa):
+            assert same_bits(product(positive), expected), isa
+
+
+@several_builds
+def test_a_build_with_fma_contraction_writes_other_bits(tmp_path):
+    """Negative control of the test above: the AVX2 build compiled letting gcc fuse a multiply into
+    an add (-ffp-contract=fast: the float32 epilogue's y * scale + bias in one rounding) is caught.
+    Integer sums alone would not catch it: the float operations' order is the point."""
+    flags = [f for f in native.flags("avx2") if f != "-ffp-contract=off"] + ["-ffp-contract=fast"]
+    library = tmp_path / "w8a8-contracted.so"
+    subprocess.run(["gcc", *flags, "-o", str(library), str(int8_kernel.SOURCE), "-lm"], check=True, timeout=300)
+    contracted = int8_kernel.Int8Kernel(native.open_library(library, int8_kernel.ABI_VERSION))
+    assert contracted.isa == "avx2"
+    differ = differing_products(contracted, int8_kernel.load(kernel_isas()[0]), torch.float32)
+    assert differ and all(with_bias for *_, with_bias in differ)  # the bias sum is what fused
+
+
+@several_builds
+@pytest.mark.parametrize("model", ["head64", "tiny"])
+def test_greedy_output_is_the_same_with_every_build(model):
+    """End to end: the engine's speculative greedy output over the 8-bit target (three prompts in
+    one batch, default recipe) and a verification's logits (a tree; on tiny a chain), each build
+    forced: the same tokens and bits. head64's layers run in the C decoder layers (of that build),
+    tiny's (head size 8: no tree kernel) on torch operations around the C products. Control:
+    another seed's model differs."""
+    prompts = [[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8] * 3, list(range(40, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 4]
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2])
+
+    def run(isa: str, seed: int = 0) -> tuple[list, torch.Tensor]:
+        with forced_kernel_isa(isa):
+            llama = head64_llama(seed) if model == "head64" else helpers.tiny_llama(seed, vocab_size=256)
+            runner = FastLlamaRunner(llama, "w8a8")
+            assert runner.layers[0].qkv.compensation is not None  # the products in the own layout
+            if model == "head64":  # the C layers of the forced build ran
+                assert runner.layer_kernel is not None and runner._int8_layers._kernel.isa == isa
+            engine = SpeculativeEngine(runner, drafter=PromptLookupDrafter(), num_speculative_tokens=6)
+            outputs = engine.generate(prompts, max_new_tokens=40, max_batch_size=3)
+            runner.reset()
+            runner.forward(tokens(30), 1)
+            tree = parents if runner.verifies_trees else None
+            return [r.token_ids for r in outputs], runner.forward(tokens(6, seed=2), 6, tree)
+
+    fastest, *others = kernel_isas()
+    expected = run(fastest)
+    for isa in others:
+        output, logits = run(isa)
+        assert output == expected[0] and same_bits(logits, expected[1]), isa
+    other_model = run(others[0], seed=1)
+    assert other_model[0] != expected[0] and not same_bits(other_model[1], expected[1])
+
+
+def test_the_build_is_chosen_from_the_cpu_flags_and_the_variable(monkeypatch, caplog):
+    """AVX512-VNNI where the CPU has it, else AVX2 where it has x86-64-v3, else portable C;
+    SPECDECODE_KERNEL_ISA forces a build this CPU runs, and a build it does not run (its code
+    would die of SIGILL) is refused with a warning."""
+    every = cpu.KERNEL_ISAS["avx512-vnni"] | cpu.KERNEL_ISAS["avx2"]
+    monkeypatch.delenv(cpu.KERNEL_ISA_VARIABLE, raising=False)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: every)
+    assert cpu.runnable_kernel_isas() == ("avx512-vnni", "avx2", "portable") and cpu.kernel_isa() == "avx512-vnni"
+    monkeypatch.setenv(cpu.KERNEL_ISA_VARIABLE, "AVX2")
+    assert cpu.kernel_isa() == "avx2"
+    monkeypatch.setenv(cpu.KERNEL_ISA_VARIABLE, "portable")
+    assert cpu.kernel_isa() == "portable"
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: cpu.KERNEL_ISAS["avx2"] | {"avx512f"})  # AVX-512 without VNNI
+    monkeypatch.setenv(cpu.KERNEL_ISA_VARIABLE, "avx512-vnni")
+    with caplog.at_level(logging.WARNING, logger="specdecode.cpu"):
+        assert cpu.kernel_isa() == "avx2"
+    assert "SPECDECODE_KERNEL_ISA=avx512-vnni ignored" in caplog.text
+    with pytest.raises(ValueError, match="does not run the avx512-vnni build"):
+        int8_kernel.load("avx512-vnni")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))  # not all of x86-64-v3
+    assert cpu.runnable_kernel_isas() == ("portable",) and cpu.kernel_isa() == "portable"
+
+
+def test_the_response_cache_fingerprint_names_the_build(monkeypatch):
+    from specdecode.cache.response_cache import kernel_fingerprint
+
+    monkeypatch.delenv(cpu.KERNEL_ISA_VARIABLE, raising=False)
+    chosen = kernel_fingerprint()
+    assert chosen[-1] == kernel_isas()[0]
+    for isa in kernel_isas()[1:]:
+        monkeypatch.setenv(cpu.KERNEL_ISA_VARIABLE, isa)
+        assert kernel_fingerprint()[-1] == isa and kernel_fingerprint() != chosen

@@ -17,6 +17,7 @@ from specdecode.cli.options import (
     DraftOption,
     DtypeOption,
     KOption,
+    QuantizationOption,
     RayAddressOption,
     RayOption,
     ReplicaCpusOption,
@@ -40,6 +41,7 @@ def batch(
     concurrency: Annotated[int, typer.Option(help="Requests decoded together (continuous batching).")] = 8,
     device: DeviceOption = SERVER.device,
     dtype: DtypeOption = SERVER.dtype,
+    quantization: QuantizationOption = SERVER.quantization,
     ray: RayOption = False,
     ray_address: RayAddressOption = None,
     replicas: ReplicasOption = 1,
@@ -59,7 +61,7 @@ def batch(
         if concurrency < 1:
             raise InvalidArgumentError(f"--concurrency must be at least 1, got {concurrency}")
         config = server_config(
-            target, draft, drafter, k, adaptive, device, dtype, shipped_head=shipped_head
+            target, draft, drafter, k, adaptive, device, dtype, shipped_head=shipped_head, quantization=quantization
         ).with_batch_size(concurrency)
         on_ray = ray or ray_address is not None
         if on_ray:

@@ -13,7 +13,7 @@ from specdecode import precision
 from specdecode.cache.engine_caches import CacheOptions
 from specdecode.cli.console import loading, stderr
 from specdecode.cli.errors import user_errors
-from specdecode.cli.options import ChatOption, DeviceOption, DtypeOption, QuantizationOption
+from specdecode.cli.options import ChatOption, DeviceOption, DtypeOption, QuantizationOption, older_flag
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
 
@@ -175,10 +175,11 @@ def profile(
     ] = "both",
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
-    quantize: Annotated[
+    quantization: Annotated[
         Optional[str],
-        typer.Option(help="int8-weight-only (older: int8) or w8a8: the fast runner's products in 8 bits."),
+        typer.Option(help="w8a8 or int8-weight-only: the fast runner's products in 8 bits \\[default: none]."),
     ] = None,
+    quantize: Annotated[Optional[str], typer.Option(hidden=True, help="The older spelling of --quantization.")] = None,
     compile: Annotated[
         bool,
         typer.Option(help="Also time the fast runner compiled by torch.compile, 1 and 5 tokens (slow: each compiles)."),
@@ -190,20 +191,22 @@ def profile(
     from specdecode.loading import load_model
     from specdecode.runners import runner_for
     from specdecode.runners.profiling import measure_hardware, profile_forward, render_table
-    from specdecode.runners.select import chosen_dtype
+    from specdecode.runners.select import resolve_precision
 
     console = Console()
     with user_errors():
+        quantization = older_flag("--quantize", quantize, "--quantization", quantization)
         if prefix < 1 or repeats < 1:
             raise InvalidArgumentError("--prefix and --repeats must be at least 1")
-        quantize = precision.quantization_named(quantize, precision.PROFILE).name if quantize else None
+        # the fast runner's products, named once; the transformers runner times them in float
+        products = precision.quantization_named(quantization, precision.RUNNER)
         if compile and runner == "transformers":
             raise InvalidArgumentError("--compile times the fast runner compiled; use --runner both or fast")
         runners = ["fast", "transformers"] if runner == "both" else [runner]
         for name in [target] + ([draft] if draft else []):
             with loading(name):
                 # --dtype auto as generate and serve decide it, for the runner profiled first
-                model, _ = load_model(name, device, chosen_dtype(dtype, name, device, runners[0], None))
+                model, _ = load_model(name, device, resolve_precision(name, device, dtype, runner=runners[0]))
             with stderr.status("Measuring memory bandwidth and matrix-product rate"):
                 hardware = measure_hardware(model.dtype, str(model.device))
             console.print(
@@ -213,10 +216,11 @@ def profile(
             for choice in runners:
                 if choice == "fast" and runner == "both" and not _fast_supported(model):
                     continue
-                model_runner = runner_for(model, choice, quantize if choice != "transformers" else None)
+                quantized = products if choice != "transformers" else None
+                model_runner = runner_for(model, choice, quantized)
                 with stderr.status(f"Timing {type(model_runner).__name__}"):
                     costs = profile_forward(model_runner, model, hardware, prefix=prefix, repeats=repeats)
-                label = type(model_runner).__name__ + (f" {quantize}" if quantize and choice != "transformers" else "")
+                label = type(model_runner).__name__ + (f" {quantized.name}" if quantized else "")
                 console.print(render_table(f"{name}: {label}, after {prefix} cached tokens", costs))
                 if compile and model_runner.compilable:
                     model_runner.compile()

@@ -58,7 +58,7 @@ def generate(
     ] = False,
     draft_quantization: Annotated[
         Optional[str],
-        typer.Option(help="self-quantized drafter only: bfloat16, int8, nf4 or fp4 \\[default: bfloat16]."),
+        typer.Option(help="self-quantized drafter only: bfloat16, int8-weight-only, nf4 or fp4 \\[default: bfloat16]."),
     ] = None,
     min_confidence: Annotated[
         float, typer.Option(help="Model drafters stop after a token they give less probability.")

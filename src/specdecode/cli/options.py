@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from specdecode import precision
 from specdecode.cache.engine_caches import CacheOptions
 from specdecode.errors import InvalidArgumentError
 from specdecode.server.config import ServerConfig
@@ -53,7 +54,7 @@ MaxModelLenOption = Annotated[
 QuantizationOption = Annotated[
     Optional[str],
     typer.Option(
-        help="Quantize the target: nf4, fp4, llm-int8 (older: int8; bitsandbytes, transformers runner) or w8a8 "
+        help="Quantize the target: nf4, fp4, llm-int8 (bitsandbytes, transformers runner) or w8a8 "
         "(int8 weights and activations, Llama-family fast runner) \\[default: none]."
     ),
 ]
@@ -90,6 +91,16 @@ RayAddressOption = Annotated[
 ]
 ReplicasOption = Annotated[int, typer.Option(help="With --ray: engine replicas, each with its own model.")]
 ReplicaCpusOption = Annotated[float, typer.Option(help="With --ray: CPUs per replica (and its torch threads).")]
+
+
+def older_flag(older: str, value, name: str, current):
+    """The value of an option given by an older flag (warned of in one line), else the current one's."""
+    if value is None:
+        return current
+    if current is not None:
+        raise InvalidArgumentError(f"give {name} alone: {older} is its older spelling")
+    precision.warn_older_spelling(older, name)
+    return value
 
 
 def cache_options(

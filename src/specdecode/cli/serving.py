@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from specdecode import precision
 from specdecode.cli.console import loading, stderr
 from specdecode.cli.errors import user_errors
 from specdecode.cli.options import (
@@ -37,8 +38,6 @@ from specdecode.cli.options import (
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
 from specdecode.server.config import ServerConfig
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # loadtest's --dtype
 
 
 def serve(
@@ -267,8 +266,7 @@ def loadtest(
             raise InvalidArgumentError("--inject-faults and --dtype apply to the server started here; drop --url")
         if api_key and not url:
             raise InvalidArgumentError("--api-key is for a running server's --url; the server started here has none")
-        if dtype not in DTYPES:
-            raise InvalidArgumentError(f"unknown --dtype '{dtype}'; use {', '.join(DTYPES)}")
+        precision.dtype_named(dtype)  # raises for an unknown name, before the server starts
         texts = [p.text for p in load_prompts(prompts)]
         texts = [texts[i % len(texts)] for i in range(requests)]
         with started_server(url, target, max_batch_size, inject_faults, stderr, dtype, api_key) as (base_url, model):

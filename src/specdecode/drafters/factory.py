@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdecode import precision
 from specdecode.cache import DraftStore, model_fingerprint
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter
@@ -18,7 +19,7 @@ from specdecode.drafters.head import HeadDrafter, is_head_folder, load_head, shi
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.recycling import RecyclingDrafter
-from specdecode.drafters.self_quantized import QUANTIZATIONS, self_quantized_drafter
+from specdecode.drafters.self_quantized import self_quantized_drafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.errors import InvalidArgumentError, VocabularyMismatchError
 from specdecode.loading import check_same_vocabulary
@@ -49,7 +50,7 @@ class DrafterOptions:
     max_ngram: int = 3  # prompt lookup: longest n-gram matched, tried first
     max_continuation: int | None = None  # prompt lookup: most tokens copied per step (None: k)
     lookup_history: bool = False  # prompt lookup also searches earlier requests' text
-    # self-quantized only: "bfloat16", "int8" (weight-only), "nf4" or "fp4" (bitsandbytes); None: bfloat16
+    # self-quantized only: "bfloat16", "int8-weight-only", "nf4" or "fp4" (bitsandbytes); None: bfloat16
     draft_quantization: str | None = None
     min_confidence: float = 0.0  # model drafters stop after a token they give less probability
     recycling_width: int = 8  # recycling: the target's candidates kept per token
@@ -79,11 +80,7 @@ def check_drafter_options(name: str, options: DrafterOptions) -> None:
             "(--quantization quantizes the target)",
             "draft_quantization",
         )
-    if options.draft_quantization not in QUANTIZATIONS:
-        raise InvalidArgumentError(
-            f"unknown draft quantization '{options.draft_quantization}'; choose one of: {', '.join(QUANTIZATIONS)}",
-            "draft_quantization",
-        )
+    precision.draft_precision_named(options.draft_quantization)  # raises for an unknown name
 
 
 def check_drafter_name(name: str, draft: object) -> None:
@@ -128,8 +125,8 @@ def make_drafter(
             raise InvalidArgumentError("drafter 'suffix' needs the draft store: leave draft_store on", "drafter")
         return SuffixDrafter(store)
     if name == "self-quantized":
-        quantization = options.draft_quantization or "bfloat16"
-        return self_quantized_drafter(target.model, quantization, options.min_confidence)
+        chosen = precision.draft_precision_named(options.draft_quantization)
+        return self_quantized_drafter(target.model, chosen, options.min_confidence)
     given = _given_drafter(name, draft, target, tokenizer, load, runner, options, heads)
     return _auto(target, options, store, given) if name == "auto" else given
 

@@ -5,7 +5,8 @@ because the full-precision target verifies every token. It pays only where the l
 precision forward is cheaper than the full one (bfloat16 on AMX or GPUs, int8 with fused
 kernels); scripts in benchmarks/ measure that on the machine at hand. nf4 and fp4 are
 bitsandbytes' 4-bit copies (the layers `--quantization nf4` gives a target), run by
-transformers' runner.
+transformers' runner. The copy's precision is named as --draft-quantization names it
+(precision.draft_precision_named: bfloat16, int8-weight-only, nf4 or fp4).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from specdecode import precision
 from specdecode.drafters.model import ModelDrafter
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import bnb_compute_dtype, check_4bit_layout, check_bitsandbytes, quantization_of
 from specdecode.runners import HFModelRunner, fast_llama, runner_for
 from specdecode.runners.projection import projection
 
-QUANTIZATIONS = ("bfloat16", "int8", "nf4", "fp4")  # --draft-quantization
-BNB_4BIT = ("nf4", "fp4")
+DraftPrecision = precision.Dtype | precision.Quantization  # what --draft-quantization names
 
 
 class Int8Linear(nn.Module):
@@ -31,7 +32,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.projection = projection(linear.weight, linear.bias, "int8")
+        self.projection = projection(linear.weight, linear.bias, precision.INT8_WEIGHT_ONLY)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self.projection(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
@@ -59,44 +60,43 @@ def bnb_4bit_linear(linear: nn.Linear, quant_type: str) -> nn.Module:
     return layer.to(device)  # moving a Params4bit quantizes it
 
 
-def quantized_copy(model: PreTrainedModel, quantization: str) -> PreTrainedModel:
+def quantized_copy(model: PreTrainedModel, quantization: str | DraftPrecision) -> PreTrainedModel:
     """A copy of model in bfloat16, or with every decoder Linear weight-only int8 or bitsandbytes
     nf4/fp4 (head kept, as transformers keeps it)."""
-    if quantization not in QUANTIZATIONS:
-        raise InvalidArgumentError(
-            f"unknown draft quantization '{quantization}'; choose one of: {', '.join(QUANTIZATIONS)}",
-            "draft_quantization",
-        )
+    chosen = precision.draft_precision_named(quantization)
     if quantization_of(model) is not None:
         raise InvalidArgumentError(
             f"the target is already quantized (bitsandbytes {quantization_of(model)}); the self-quantized drafter "
             "copies a float target: leave --quantization out, or pick another drafter",
             "drafter",
         )
-    if quantization in BNB_4BIT:
+    if chosen in precision.BNB_4BIT:
         check_bitsandbytes(model.device)
     clone = copy.deepcopy(model)
-    if quantization == "bfloat16":
-        return clone.to(torch.bfloat16).eval()
+    if isinstance(chosen, precision.Dtype):
+        return clone.to(chosen.dtype).eval()
     head = clone.get_output_embeddings()
     for parent in list(clone.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear) and child is not head:
-                replacement = Int8Linear(child) if quantization == "int8" else bnb_4bit_linear(child, quantization)
-                setattr(parent, name, replacement)
-    if quantization in BNB_4BIT:
+                weight_only = chosen is precision.INT8_WEIGHT_ONLY
+                setattr(parent, name, Int8Linear(child) if weight_only else bnb_4bit_linear(child, chosen.name))
+    if chosen in precision.BNB_4BIT:
         check_4bit_layout(clone)
     return clone.eval()
 
 
 def self_quantized_drafter(
-    model: PreTrainedModel, quantization: str = "bfloat16", min_confidence: float = 0.0
+    model: PreTrainedModel, quantization: str | DraftPrecision = "bfloat16", min_confidence: float = 0.0
 ) -> ModelDrafter:
-    if quantization_of(model) is None and quantization == "int8" and fast_llama.supports(model):
-        runner = runner_for(model, quantization="int8")  # the fast path's own int8 products, no copy
-    elif quantization in ("int8", *BNB_4BIT):
+    """quantization: the copy's precision, or its name as --draft-quantization spells it."""
+    chosen = precision.draft_precision_named(quantization)
+    weight_only = chosen is precision.INT8_WEIGHT_ONLY
+    if quantization_of(model) is None and weight_only and fast_llama.supports(model):
+        runner = runner_for(model, quantization=chosen)  # the fast path's own int8 products, no copy
+    elif isinstance(chosen, precision.Quantization):
         # Int8Linear or bitsandbytes modules, through transformers
-        runner = HFModelRunner(quantized_copy(model, quantization))
+        runner = HFModelRunner(quantized_copy(model, chosen))
     else:
-        runner = runner_for(quantized_copy(model, quantization))
-    return ModelDrafter(runner, min_confidence, name=f"self-quantized-{quantization}")
+        runner = runner_for(quantized_copy(model, chosen))
+    return ModelDrafter(runner, min_confidence, name=f"self-quantized-{chosen.name}")

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from specdecode import precision
 from specdecode.runners import int8_layer, smoothing, tree_attention
 from specdecode.runners import projection as projections
 from specdecode.runners.attention import attend, per_query_by_default
@@ -46,7 +47,6 @@ from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache, ap
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-QUANTIZATIONS = (None, "int8-weight-only", "w8a8")  # what the runner's products may be (precision.py names them)
 PRODUCTS = ("qkv", "o", "gate_up", "down", "head")  # a layer's products, and the output head
 CALIBRATION_TOKENS = 512  # the default smoothing calibration's length
 INITIAL_CAPACITY = 1024  # cache positions allocated up front; doubled when a sequence needs more
@@ -163,9 +163,9 @@ _Plan = Union[_Bound, torch.Tensor, None]
 
 class FastLlamaRunner(StaticCacheRunner):
     """On the model's device and dtype: one sequence in `self.cache` (forward), or several, each
-    with a cache of its own (forward_batch, new_cache). quantization="int8-weight-only" stores
+    with a cache of its own (forward_batch, new_cache). quantization int8-weight-only stores
     the layers' products as weight-only int8 (the embedding and output head stay as they are);
-    "w8a8" runs them on int8 weights and per-row int8 activations (projection.Int8Projection;
+    w8a8 runs them on int8 weights and per-row int8 activations (projection.Int8Projection;
     which products, `int8`; by default on AVX512-VNNI the output head with 16-bit activations,
     projection.W8A16Projection), exact by construction: integer sums do not depend on the rows
     beside a row. Embeddings, norms, attention and the KV cache stay in the model's dtype.
@@ -230,16 +230,20 @@ class FastLlamaRunner(StaticCacheRunner):
         """Which attention decoding and verification run (the response cache fingerprints it)."""
         return tree_attention.kernel_identity() if self.verifies_trees else "sdpa"
 
-    def __init__(self, model: PreTrainedModel, quantization: str | None = None, int8: Int8Recipe | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        quantization: precision.Quantization | str | None = None,
+        int8: Int8Recipe | None = None,
+    ):
         if not supports(model):
             raise ValueError(f"FastLlamaRunner does not support {model.config.model_type} models")
-        quantization = "int8-weight-only" if quantization == "int8" else quantization  # the older name
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS[1:]}")
-        if quantization == "w8a8" and not (model.device.type == "cpu" and int8_supported()):
+        # a Precision's runner_quantization, or its name (the Python API's)
+        quantization = precision.quantization_named(quantization, precision.RUNNER)
+        if quantization is precision.W8A8 and not (model.device.type == "cpu" and int8_supported()):
             raise ValueError("w8a8 runs on oneDNN's int8 products, on the CPU; this torch or device has none")
         self.quantization = quantization
-        self.int8 = (int8 or Int8Recipe()) if quantization == "w8a8" else None
+        self.int8 = (int8 or Int8Recipe()) if quantization is precision.W8A8 else None
         if self.int8 is not None and not has_vnni():
             logger.warning(
                 "w8a8: this CPU has no VNNI (AVX512-VNNI, AVX-VNNI or AMX): weights in 7 bits keep its sums exact"
@@ -588,9 +592,9 @@ class FastLlamaRunner(StaticCacheRunner):
         if self.int8 is not None and self.int8.quantizes(name):
             bias = None if bias is None else bias.to(self.dtype)
             return w8a16_projection(weight, bias) if self.int8.mode(name) == "w8a16" else int8_projection(weight, bias)
-        if name == "head" or self.quantization != "int8-weight-only":
+        if name == "head" or self.quantization is not precision.INT8_WEIGHT_ONLY:
             return projection(weight, bias, None)
-        return projection(weight, bias, "int8")
+        return projection(weight, bias, precision.INT8_WEIGHT_ONLY)
 
 
 class _DenseEmbedding:

@@ -3,7 +3,7 @@ want (oneDNN's), or weight-only int8 (one int8 weight and one float scale per ou
 
 int8 cuts the products' memory 4x (fp32) or 2x (bf16). On CPUs it runs through
 `aten._weight_int8pack_mm`; whether that is faster than the float product depends on the
-machine, so `specdecode profile --quantize int8` measures it rather than assuming.
+machine, so `specdecode profile --quantization int8-weight-only` measures it rather than assuming.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdecode import precision
 from specdecode.cpu import cpu_flags, has_amx, has_avx512
 from specdecode.runners import int8_kernel
 from specdecode.runners.opaque import onednn_linear
 
-QUANTIZATIONS = (None, "int8")
 ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for (other counts run as fast)
 ONEDNN_INVARIANT_ROWS = 32  # most rows per oneDNN product whose results do not depend on each other
 ONE_ROW_SAME_INPUTS = 1024  # most inputs for which oneDNN's one-row kernel sums as its many-row one
@@ -80,7 +80,12 @@ class Projection:
         return onednn_linear(x, self.weight, self.bias)
 
 
-def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None) -> Projection:
+def projection(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: precision.Quantization | str | None
+) -> Projection:
+    """quantization: None (the weight as it is) or int8-weight-only (w8a8's products are
+    int8_projection's)."""
+    quantization = precision.quantization_named(quantization, precision.RUNNER)
     weight = weight.detach()
     bias = bias.detach() if bias is not None else None
     if quantization is None and onednn_layout(weight):
@@ -94,8 +99,8 @@ def projection(weight: torch.Tensor, bias: torch.Tensor | None, quantization: st
         return Projection(reordered, bias, reordered=True, pad_one_row=_pads_one_row(weight))
     if quantization is None:
         return Projection(weight, bias)
-    if quantization != "int8":
-        raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
+    if quantization is not precision.INT8_WEIGHT_ONLY:
+        raise ValueError(f"projection() stores int8-weight-only products; {quantization.name}'s are int8_projection's")
     # symmetric per-row scale: the row's largest magnitude maps to 127
     scales = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
     quantized = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)

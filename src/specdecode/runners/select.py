@@ -20,14 +20,19 @@ from specdecode.runners.projection import onednn_supports
 RUNNERS = ("auto", "fast", "transformers")
 
 
-def runner_for(model: PreTrainedModel, runner: str = "auto", quantization: str | None = None) -> ModelRunner:
+def runner_for(
+    model: PreTrainedModel, runner: str = "auto", quantization: str | precision.Quantization | None = None
+) -> ModelRunner:
     """The fastest runner that supports the model: a lean fast path where one applies, else transformers'.
+    quantization: what the fast runner does to its products (w8a8 or int8-weight-only; a
+    Precision's runner_quantization, or its name).
 
     A model quantized with bitsandbytes runs on transformers' runner: the fast paths read each
     layer's weight as a plain matrix, and bitsandbytes' layers hold packed 4-bit or int8 codes
     (docs/quantization.md has the measurement behind keeping it there)."""
     if runner not in RUNNERS:
         raise InvalidArgumentError(f"unknown runner '{runner}'; choose one of: {', '.join(RUNNERS)}")
+    quantization = precision.quantization_named(quantization, precision.RUNNER)
     bnb = quantization_of(model)
     if bnb is not None:
         if runner == "fast" or quantization is not None:
@@ -46,13 +51,13 @@ def runner_for(model: PreTrainedModel, runner: str = "auto", quantization: str |
         return fast(model) if fast is not None else HFModelRunner(model)
     if runner == "transformers":
         raise InvalidArgumentError(
-            f"{quantization} quantizes the products of the Llama-family fast runner, which the transformers "
+            f"{quantization.name} quantizes the products of the Llama-family fast runner, which the transformers "
             "runner does not run: leave the runner at auto (or fast)",
             "quantization",
         )
     if fast is not FastLlamaRunner:
         raise InvalidArgumentError(
-            f"{quantization} runs on the Llama-family fast runner, not on {model.config.model_type} models",
+            f"{quantization.name} runs on the Llama-family fast runner, not on {model.config.model_type} models",
             "quantization",
         )
     return FastLlamaRunner(model, quantization)
@@ -65,24 +70,30 @@ def _fast_runner_class(model: PreTrainedModel) -> type | None:
     return None
 
 
-def auto_dtype(config: PretrainedConfig, device: torch.device, runner: str, quantization: str | None) -> torch.dtype:
-    """What `--dtype auto` loads for this model: precision.resolve_dtype's rule, given whether a
-    fast path runs it and whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX, and
-    oneDNN's bfloat16 products)."""
+def resolve_precision(
+    target: str,
+    device: str | torch.device = "auto",
+    dtype: str = precision.AUTO,
+    quantization: str | precision.Quantization | None = None,
+    runner: str = "auto",
+    trust_remote_code: bool = False,
+    option: str = precision.TARGET,
+) -> precision.Precision:
+    """The target's precision, resolved once (precision.resolve) before it loads: for
+    `--dtype auto`, from its config (whether a fast path runs it) and this CPU (whether it
+    multiplies bfloat16 natively: AVX512-BF16 or AMX, and oneDNN's bfloat16 products). An
+    unknown name is refused before the config is read."""
+    named = precision.quantization_named(quantization, option)
+    torch_device = resolve_device(device) if isinstance(device, str) else device
+    where = precision.Circumstances(torch_device)
+    if precision.dtype_named(dtype) is None:  # auto: decided on the model and this CPU
+        where = circumstances(load_config(target, trust_remote_code), torch_device, runner)
+    return precision.resolve(dtype, named, where, option)
+
+
+def circumstances(config: PretrainedConfig, device: torch.device, runner: str) -> precision.Circumstances:
+    """What --dtype auto decides on, for a model of this config run by that runner choice."""
     native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and onednn_supports(torch.bfloat16)
-    fast = _fast_runner_class(SimpleNamespace(config=config)) is not None  # supports() reads the config alone
-    return precision.resolve_dtype(
-        "auto", device, fast_path=fast, runner=runner, quantization=quantization, native_bfloat16=native
-    )
-
-
-def chosen_dtype(
-    dtype: str, target: str, device: str, runner: str, quantization: str | None, trust_remote_code: bool = False
-) -> str:
-    """dtype as loading takes it (its canonical name), with "auto" decided by auto_dtype from the
-    target's config."""
-    named = precision.dtype_named(dtype)
-    if named is not None:
-        return named.name
-    config = load_config(target, trust_remote_code)
-    return str(auto_dtype(config, resolve_device(device), runner, quantization)).removeprefix("torch.")
+    # supports() reads the config alone
+    fast = runner != "transformers" and _fast_runner_class(SimpleNamespace(config=config)) is not None
+    return precision.Circumstances(device, native_bfloat16=native, fast_path=fast)

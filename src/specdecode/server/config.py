@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from specdecode import precision
 from specdecode.cache.engine_caches import CacheOptions
 from specdecode.core.checks import DEFAULT_SPECULATIVE_TOKENS, check_k, check_max_model_len
 from specdecode.errors import InvalidArgumentError
@@ -57,6 +58,8 @@ class ServerConfig:
         so that a Ray replica never starts on one)."""
         check_k(self.num_speculative_tokens)
         check_max_model_len(self.max_model_len)
+        precision.dtype_named(self.dtype)  # unknown names are refused here, not in a replica
+        precision.quantization_named(self.quantization, precision.TARGET)
         if not 0 < self.port < 65536:
             raise InvalidArgumentError(f"port must be in [1, 65535], got {self.port}", "port")
         for name in ("max_waiting", "max_batch_size", "max_body_bytes", "max_connections", "max_header_bytes"):

@@ -178,7 +178,9 @@ def train_draft_command(
     seed: Annotated[int, typer.Option(help="Seed of the data, the initial weights and the order.")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens per answer.")] = 192,
     checkpoint_every: Annotated[int, typer.Option(help="Optimizer steps between checkpoints.")] = 50,
-    dtype: Annotated[str, typer.Option(help="The target's dtype: auto, float32 or bfloat16.")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="The target's dtype: auto, float32, bfloat16 or float16 (as generate's).")
+    ] = "auto",
     restart: Annotated[
         bool, typer.Option(help="Discard the data and checkpoint an earlier run left in --output; start over.")
     ] = False,
