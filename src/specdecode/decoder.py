@@ -56,8 +56,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 
 from specdecode.core.adaptive import AdaptiveK, AdaptiveTree, StepCosts
+from specdecode.core.constraints import Matcher
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
 from specdecode.core.stopping import Stop, StoppingCriteria
@@ -84,6 +86,7 @@ class SequenceState:
     finish: Stop | None = None  # set by the step that ends the sequence
     tag: object = None  # the caller's own record of this sequence (the server's request handle)
     cache_key: str | None = None  # its key in the engine's response cache, when it may be cached
+    matcher: Matcher | None = None  # its place in a grammar its answer must follow (structured outputs)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids) + self.generated  # a resumed sequence keeps what it had
@@ -243,21 +246,25 @@ class Decoder:
         room = min(seq.stopping.max_new_tokens - len(seq.generated), self.max_length - len(seq.tokens))
         if seq.k_max == 0 or room <= 1 or seq.prompt_uncached:  # drafting past the budget is waste
             return Draft.empty(), 0
+        # what a grammar forces next leads the draft: free, and verified like any draft
+        forced = seq.matcher.forced(room - 1) if seq.matcher is not None else []
         for drafter in seq.drafters:
-            k = min(self._k(seq, drafter, chosen, k_max, batch_size, explores), room - 1)
+            if forced and drafter.hidden_layers:
+                continue  # a head has no target features for the forced tokens, which are not verified yet
+            k = min(self._k(seq, drafter, chosen, k_max, batch_size, explores), room - 1 - len(forced))
             if k == 0:
                 continue
             start = time.perf_counter()
-            draft = self._runnable(drafter.propose(seq.tokens, k, seq.params, seq.generator))
+            draft = self._runnable(drafter.propose(seq.tokens + forced, k, seq.params, seq.generator))
             policy = self._policy(drafter, seq.params)
             policy.record_draft(len(draft), time.perf_counter() - start)
             if len(draft):
-                return replace(draft, source=drafter.name), k
+                return _after_forced(forced, replace(draft, source=drafter.name), self.slots.vocab_size), k
             if batch_size > 1:
                 # the batch's forward grows with the others' drafts whether this sequence
                 # drafts or not, so for the policy proposing nothing gained nothing
                 policy.record_no_draft(k)
-        return Draft.empty(), 0
+        return _after_forced(forced, Draft.empty(), self.slots.vocab_size), 0
 
     def _runnable(self, draft: Draft) -> Draft:
         """The draft as this target verifies it: a tree's first path where trees cannot be
@@ -328,6 +335,8 @@ class Decoder:
     def _decide(self, seq: SequenceState, draft: Draft, logits: torch.Tensor) -> _Decision | None:
         if seq.prompt_uncached and seq.rebuilding:
             return None  # its next token is known: the prefill only rebuilt the prompt's cache
+        if seq.matcher is not None:  # the constrained target: what the grammar forbids has probability 0
+            logits = seq.matcher.masked(logits, draft.tokens.tolist(), draft.parent_list())
         if draft.is_chain:
             verdict = verify_logits(draft.tokens, draft.probs, logits, seq.params, seq.generator)
         else:
@@ -378,11 +387,15 @@ class Decoder:
             seq.cached = len(seq.prompt_ids)
             return []
         accepted, emitted = decision.verdict.num_accepted, decision.emitted
-        if len(draft):  # a tree's size and accepted depth
-            self.policies[policy_key(draft.source, seq.params)].record_verdict(len(draft), accepted, asked)
-            next(d for d in seq.drafters if d.name == draft.source).observe(len(draft), accepted)
-        depths = None if draft.is_chain else draft.depths()
-        seq.stats.record_step(len(draft), accepted, draft.source if len(seq.drafters) > 1 else None, depths)
+        # the drafter's part: past the grammar's forced tokens, which lead the draft as a chain
+        drafted, kept = len(draft) - draft.forced, max(0, accepted - draft.forced)
+        if drafted:  # a tree's size and accepted depth
+            self.policies[policy_key(draft.source, seq.params)].record_verdict(drafted, kept, asked)
+            next(d for d in seq.drafters if d.name == draft.source).observe(drafted, kept)
+        depths = None if draft.is_chain else [d - draft.forced for d in draft.depths()[draft.forced :]]
+        seq.stats.record_step(drafted, kept, draft.source if len(seq.drafters) > 1 and drafted else None, depths)
+        if draft.forced:
+            seq.stats.record_forced(draft.forced, min(accepted, draft.forced))
         if seq.rebuilding:
             seq.stats.record_replay(len(seq.tokens) - seq.cached - 1)  # run again, but the last
         seq.cached = len(seq.tokens) + accepted  # the next token is not in the cache yet
@@ -394,6 +407,8 @@ class Decoder:
             del seq.generated[seq.finish.keep :]
             emitted = emitted[: max(0, len(emitted) - cut)]  # what this step accepted past the stop
             seq.stats.generated_tokens = len(seq.generated)
+        if seq.matcher is not None:
+            seq.matcher.advance(emitted)
         return emitted
 
     def _record_cost(self, tokens: int, seconds: float) -> None:
@@ -426,6 +441,22 @@ def policy_key(drafter_name: str, params: SamplingParams) -> str:
 def _hidden_layers_wanted(sequences: list[SequenceState]) -> tuple[int, ...]:
     """The target layers whose hidden states this step's drafters read (draft heads), sorted."""
     return tuple(sorted({i for seq in sequences for d in seq.drafters for i in d.hidden_layers}))
+
+
+def _after_forced(forced: list[int], draft: Draft, vocab_size: int) -> Draft:
+    """draft (proposed after the forced tokens) behind them: one chain, or a tree whose roots
+    hang from the last forced token; a drafter's q behind one-hot rows for the forced tokens."""
+    if not forced:
+        return draft
+    n = len(forced)
+    tokens = torch.cat([torch.tensor(forced, dtype=torch.long), draft.tokens])
+    probs = None
+    if draft.probs is not None:
+        probs = torch.cat([F.one_hot(tokens[:n], vocab_size).to(draft.probs.dtype), draft.probs])
+    parents = None
+    if draft.parents is not None:
+        parents = torch.cat([torch.arange(-1, n - 1), torch.where(draft.parents >= 0, draft.parents + n, n - 1)])
+    return replace(draft, tokens=tokens, probs=probs, parents=parents, forced=n)
 
 
 def _forward_parents(uncached: int, draft: Draft) -> torch.Tensor:  # [uncached + len(draft)] int64

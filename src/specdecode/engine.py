@@ -21,7 +21,6 @@ from typing import cast
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdecode import precision
 from specdecode.cache import DraftStore, ResponseCache
 from specdecode.cache.backends import Backend
 from specdecode.cache.engine_caches import CacheOptions, EngineCaches
@@ -35,6 +34,7 @@ from specdecode.core.checks import (
     check_seed,
     seeds_for,
 )
+from specdecode.core.constraints import Constraint, Grammars
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
 from specdecode.core.stopping import StoppingCriteria
@@ -52,7 +52,7 @@ from specdecode.errors import InvalidArgumentError, PromptTooLongError
 from specdecode.loading import DEFAULT_TARGET, load_model, precision_of
 from specdecode.runners import ModelRunner, runner_for
 from specdecode.runners.base import CompilableRunner
-from specdecode.runners.select import chosen_dtype
+from specdecode.runners.select import resolve_precision
 
 __all__ = ["DRAFTERS", "CacheOptions", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
 
@@ -74,6 +74,7 @@ class RequestSettings:
     stopping: StoppingCriteria
     seed: int | None
     num_speculative_tokens: int
+    constraint: Constraint | None = None  # a grammar the answer must follow (core/constraints.py)
 
     @property
     def fixed_k(self) -> bool:
@@ -120,6 +121,7 @@ class SpeculativeEngine:
         )
         self.decoder = Decoder(self.target_runner, adaptive, self.max_model_len)
         self.caches = EngineCaches(self.target_runner, tokenizer, self.max_model_len)
+        self._grammars: Grammars | None = None  # made on the first constrained request
         if response_cache is not None:
             self.caches.use(response_cache)
 
@@ -156,14 +158,14 @@ class SpeculativeEngine:
         max_model_len: the most tokens a sequence may hold (default: the model's context).
         cache: the response cache and the draft store, in process or on Redis (default: both in
         process; `CacheOptions(response_cache=False, draft_store=False)` for neither).
-        quantization: "nf4", "fp4" or "llm-int8" (older spelling "int8") quantizes the target with
+        quantization: "nf4", "fp4" or "llm-int8" (older spelling "int8", deprecated) quantizes the target with
         bitsandbytes as it loads (embeddings, output head and, in 4 bits, the MLPs' down projections
         stay in dtype); it then runs on transformers' runner, exact relative to the quantized model
         (runners/rowwise.py). "w8a8": int8 weights and per-row int8 activations on the
         Llama-family fast runner, exact relative to that 8-bit model. docs/quantization.md has both.
         None: every weight in dtype.
         dtype "auto": bfloat16 where this CPU multiplies it natively and speculation is exact in
-        it (runners.select.auto_dtype), else float32; `engine.precision` says which.
+        it (precision.resolve; runners.select.resolve_precision), else float32; `engine.precision` says which.
         keep_model_weights: the fast runners hold the weights in a layout of their own; by default
         the transformers model's copies are freed once the drafter is made (one copy in memory,
         not two), and `target_runner.model` can no longer run. True keeps it runnable.
@@ -177,12 +179,11 @@ class SpeculativeEngine:
         if isinstance(drafter, str):
             check_drafter_name(drafter, draft)
             check_drafter_options(drafter, options)
-        named = precision.quantization_named(quantization, precision.TARGET)
-        # bitsandbytes quantizes as the model loads; w8a8 is the fast runner's own, from the float weights
-        by_runner = named.name if named is not None and not named.bitsandbytes else None
-        chosen = dtype == "auto"
-        dtype = chosen_dtype(dtype, target, device, runner, quantization, trust_remote_code)
-        model, tokenizer = load_model(target, device, dtype, trust_remote_code, None if by_runner else quantization)
+        # the one resolution of the target's precision; the loader and the runner read its fields
+        chosen = resolve_precision(target, device, dtype, quantization, runner, trust_remote_code)
+        model, tokenizer = load_model(target, device, chosen, trust_remote_code)
+        # bitsandbytes quantized it as it loaded; w8a8 is the fast runner's own, from the float weights
+        by_runner = chosen.runner_quantization
         engine = cls(
             runner_for(model, runner, by_runner) if by_runner else model,
             tokenizer,
@@ -191,14 +192,15 @@ class SpeculativeEngine:
             adaptive=options.adaptive,
             max_model_len=max_model_len,
         )
-        if chosen:
+        if chosen.chosen:
             engine.precision += " (--dtype auto)"
         if compile:
             engine._compile_target()
         store = engine.open_caches(cache or CacheOptions())
         picked: Drafter | None = None if isinstance(drafter, str) else drafter
         if isinstance(drafter, str):
-            load = lambda name: load_model(name, device, dtype, trust_remote_code)  # noqa: E731
+            # a draft model loads in the target's dtype, unquantized
+            load = lambda name: load_model(name, device, chosen.in_float(), trust_remote_code)  # noqa: E731
             picked = make_drafter(drafter, draft, engine.target_runner, tokenizer, load, runner, options, store)
         engine.drafter = picked
         if engine.response_cache is not None:  # a draft model's fingerprint reads its weights: now, not in a request
@@ -325,6 +327,7 @@ class SpeculativeEngine:
         num_speculative_tokens: int | None = None,
         speculative: bool = True,
         max_batch_size: int = 1,
+        constraint: Constraint | None = None,
     ) -> list[GenerationResult]:
         """One GenerationResult per prompt, in order. Up to max_batch_size prompts decode
         together (continuous batching, decoder.py: one target forward per step verifies every
@@ -333,7 +336,8 @@ class SpeculativeEngine:
         (default: the engine's; 0 or speculative=False: target-only). With a seed, prompt i
         gets a generator of its own seeded seed + i (core.checks.seeds_for), as the server's
         choices do: each prompt's sample is its own, the same alone, in a batch or from the
-        response cache."""
+        response cache. constraint: a grammar the answers follow (structured outputs: JSON, a
+        JSON schema, a regular expression, choices, a Lark grammar), exact under speculation."""
         settings = self.settings(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -342,6 +346,7 @@ class SpeculativeEngine:
             seed=seed,
             stop=stop,
             num_speculative_tokens=num_speculative_tokens if speculative else 0,
+            constraint=constraint,
         )
         capacity = self.batch_capacity(max_batch_size)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
@@ -370,6 +375,7 @@ class SpeculativeEngine:
         seed: int | None = None,
         stop: str | SequenceOf[str] | None = None,
         num_speculative_tokens: int | None = None,
+        constraint: Constraint | None = None,
     ) -> RequestSettings:
         """Check a request's settings (core.checks.check_request, and a k at most this engine's);
         every error names the argument at fault."""
@@ -387,9 +393,26 @@ class SpeculativeEngine:
             raise InvalidArgumentError("stop strings need a tokenizer; this engine has none", "stop")
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         decode = self.decode if self.tokenizer else None
+        if constraint is not None:
+            self.grammars.matcher(constraint)  # compiled and checked once, here: a bad one is this request's error
         return RequestSettings(
-            params, StoppingCriteria(max_new_tokens, self.eos_token_ids, stop_strings, decode), seed, k
+            params, StoppingCriteria(max_new_tokens, self.eos_token_ids, stop_strings, decode), seed, k, constraint
         )
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammars of constrained requests, compiled for this engine's tokenizer."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidArgumentError("structured outputs need a tokenizer; this engine has none", "constraint")
+            if not self.eos_token_ids:
+                raise InvalidArgumentError(
+                    "structured outputs need the model's end-of-sequence token, which ends a finished answer; "
+                    "this model has none",
+                    "constraint",
+                )
+            self._grammars = Grammars(self.tokenizer, self.target_runner.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def sequence(
         self,
@@ -419,6 +442,7 @@ class SpeculativeEngine:
         if cacheable:
             drafts = lambda: self.drafts_identity(candidates)  # noqa: E731 - only seeded samples need it
             key = self.caches.key(prompt_ids, settings, seed, k, self.adaptive, drafts)
+        matcher = self.grammars.matcher(settings.constraint) if settings.constraint is not None else None
         return SequenceState(
             prompt_ids,
             settings.params,
@@ -430,6 +454,7 @@ class SpeculativeEngine:
             name,
             tag=tag,
             cache_key=key,
+            matcher=matcher,
         )
 
     def batch_capacity(self, max_batch_size: int) -> int:

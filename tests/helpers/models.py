@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 VOCAB = 24
@@ -90,6 +90,17 @@ def tiny_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: one token a byte, so that any text (JSON, say) is a token
+    sequence; "<eos>" the last id."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)} | {"<eos>": len(alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
 
 
 def nearby_draft(target, noise: float, seed: int = 0):

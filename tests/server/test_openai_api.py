@@ -208,7 +208,11 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": PROMPT, "logprobs": 3}, 400, "logprobs"),
     ({"model": MODEL, "prompt": PROMPT, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": PROMPT, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
-    ({"model": MODEL, "prompt": PROMPT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (
+        {"model": MODEL, "prompt": PROMPT, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema",
+    ),
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}, 422, "max_tokens"),
     ({"model": MODEL, "prompt": {"text": PROMPT}}, 422, "prompt"),
     ({"model": MODEL}, 422, "prompt"),

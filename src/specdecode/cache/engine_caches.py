@@ -142,6 +142,8 @@ class EngineCaches:
             eos=sorted(stopping.eos_token_ids),
             max_length=self.max_length,
         )
+        if settings.constraint is not None:  # the answer follows its grammar
+            request |= dict(constraint=[settings.constraint.kind, settings.constraint.value])
         if not params.greedy:
             identities = drafts() if k else []  # target-only: no drafter decides
             if identities is None:

@@ -35,6 +35,10 @@ class GenerationStats:
     # tokens the target ran again because its cache had lost them (after an engine crash, or a
     # failed forward its runner could not undo); they emit nothing new (decoder.py, "rebuild")
     replayed_tokens: int = 0
+    # tokens a grammar forced (structured outputs), drafted ahead of any drafter's at no cost and
+    # verified like any draft; counted here, not in drafted_tokens and accepted_tokens
+    forced_tokens: int = 0
+    forced_accepted: int = 0
     note: str | None = None  # why this generation ran other than asked (a target that cannot speculate)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,10 @@ class GenerationStats:
             self.drafted_per_position[position] += 1
         for position in range(num_drafted if depths is None else max(depths, default=0)):
             self.accepted_per_position[position] += position < num_accepted
+
+    def record_forced(self, num_forced: int, num_accepted: int) -> None:
+        self.forced_tokens += num_forced
+        self.forced_accepted += num_accepted
 
     def record_replay(self, num_tokens: int, forward: bool = False) -> None:
         """num_tokens run again to rebuild a lost cache; forward: in a forward of their own."""
@@ -121,6 +129,7 @@ class GenerationStats:
                 else ""
             )
             + (f" | target {self.target_precision}" if self.target_precision else "")
+            + (f" | {self.forced_accepted}/{self.forced_tokens} grammar-forced tokens" if self.forced_tokens else "")
             + (f" | {self.replayed_tokens} tokens replayed" if self.replayed_tokens else "")
             + (f" | note: {self.note}" if self.note else "")
         )

@@ -26,6 +26,7 @@ class Draft:
     probs: torch.Tensor | None  # [n, vocab] the q each token was drawn from; None = one-hot
     source: str | None = None  # which drafter of a composite (auto) proposed it
     parents: torch.Tensor | None = None  # [n] int64, parents[i] < i or -1 (the root); None: a chain
+    forced: int = 0  # its first `forced` tokens are a chain a grammar forced (decoder.py), not the drafter's
 
     def __post_init__(self) -> None:
         if self.parents is not None and self.probs is not None:

@@ -6,6 +6,7 @@ answered at once), hands one request per choice to the worker and awaits the res
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from specdecode.core.checks import seeds_for
+from specdecode.core.constraints import Constraint
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.server import schemas
@@ -165,6 +167,7 @@ def _generation_requests(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     top_k = None if body.top_k == -1 else body.top_k  # vLLM's "off"
     k = body.speculative.num_speculative_tokens if body.speculative is not None else None
+    constraint, constraint_param = _constraint(body)
     seeds = seeds_for(body.seed, body.n)
     for seed in seeds:
         try:
@@ -176,9 +179,11 @@ def _generation_requests(
                 seed=seed,
                 stop=stop or None,
                 num_speculative_tokens=k,
+                constraint=constraint,
             )
         except SpecDecodeError as error:
-            raise APIError(400, str(error), param=API_NAMES.get(error.param, error.param)) from None
+            param = constraint_param if error.param == "constraint" else API_NAMES.get(error.param, error.param)
+            raise APIError(400, str(error), param=param) from None
     operation = "chat" if isinstance(body, schemas.ChatCompletionRequest) else "text_completion"
     return [
         GenerationRequest(
@@ -194,9 +199,56 @@ def _generation_requests(
             stream=body.stream,
             operation=operation,
             messages=messages,
+            constraint=constraint,
         )
         for seed in seeds
     ]
+
+
+def _constraint(body: schemas._Request) -> tuple[Constraint | None, str]:
+    """The grammar the answer must follow (OpenAI's response_format, or vLLM's structured_outputs),
+    and the parameter that asked for it."""
+    if body.response_format is not None and body.structured_outputs is not None:
+        raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+    if body.structured_outputs is not None:
+        asked = body.structured_outputs
+        given = {
+            name: value
+            for name, value in (
+                ("json", asked.json_),
+                ("regex", asked.regex),
+                ("choice", asked.choice),
+                ("grammar", asked.grammar),
+            )
+            if value is not None
+        }
+        if len(given) != 1:
+            message = "structured_outputs takes exactly one of json, regex, choice, grammar"
+            raise APIError(400, message, param="structured_outputs")
+        ((name, value),) = given.items()
+        if name == "json":
+            try:
+                schema = json.loads(value) if isinstance(value, str) else value
+            except ValueError as error:
+                raise APIError(
+                    400, f"structured_outputs.json is not JSON: {error}", param="structured_outputs.json"
+                ) from None
+            return Constraint.json_schema(schema), "structured_outputs.json"
+        return _OTHER_CONSTRAINTS[name](value), f"structured_outputs.{name}"
+    form = body.response_format
+    if form is None or form.type == "text":
+        return None, "response_format"
+    if form.type == "json_object":
+        return Constraint.json_object(), "response_format"
+    if form.json_schema is None:
+        raise APIError(400, "response_format json_schema needs its json_schema", param="response_format.json_schema")
+    schema = form.json_schema.schema_
+    return (
+        Constraint.json_schema(schema) if schema is not None else Constraint.json_object()
+    ), "response_format.json_schema"
+
+
+_OTHER_CONSTRAINTS = {"regex": Constraint.regex, "choice": Constraint.choice, "grammar": Constraint.grammar}
 
 
 def _submit(state: ServerState, requests: list[GenerationRequest]) -> list[RequestHandle]:

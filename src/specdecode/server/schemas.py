@@ -27,6 +27,35 @@ class SpeculativeOptions(BaseModel):
     num_speculative_tokens: int | None = None  # most draft tokens per step; 0: target-only
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the answer always follows the schema here, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: plain text, any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension (`extra_body={"structured_outputs": {...}}`): exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | str | None = Field(default=None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # a Lark grammar
+
+
 # OpenAI (and vLLM) fields not implemented here, each with the value that leaves the output as it is
 NO_OP_VALUES = {
     "logit_bias": (None, {}),
@@ -55,6 +84,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None  # the response's `speculative` holds the stats
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None  # accepted and unused, as OpenAI uses it only for abuse monitoring
     logit_bias: dict | None = None
     logprobs: bool | int | None = None

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from specdecode.core.constraints import Constraint
 from specdecode.core.detokenize import Holdback, IncrementalText
 from specdecode.decoder import SequenceState
 from specdecode.drafters import candidates_of
@@ -78,6 +79,7 @@ class GenerationRequest:
     stream: bool = False  # publish the text as it is generated
     operation: str = "text_completion"  # gen_ai.operation.name: "chat" or "text_completion"
     messages: list[dict] | None = None  # a chat's messages as sent (spans record them only if asked: tracing.py)
+    constraint: Constraint | None = None  # a grammar the answer follows (structured outputs)
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -346,6 +348,7 @@ class EngineWorker:
             seed=request.seed,
             stop=request.stop or None,
             num_speculative_tokens=request.num_speculative_tokens,
+            constraint=request.constraint,
         )
         return engine.sequence(prompt_ids, settings, make_generator(request.seed), tag=handle)
 
