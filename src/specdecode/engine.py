@@ -394,7 +394,7 @@ class SpeculativeEngine:
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         decode = self.decode if self.tokenizer else None
         if constraint is not None:
-            self.grammars.matcher(constraint)  # compiled and checked once, here: a bad one is this request's error
+            self.grammars.grammar(constraint)  # checked here: a bad one is this request's error
         return RequestSettings(
             params, StoppingCriteria(max_new_tokens, self.eos_token_ids, stop_strings, decode), seed, k, constraint
         )

@@ -17,7 +17,6 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
-import torch
 from rich.progress import Progress
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -35,14 +34,6 @@ FILES = (datafiles.MANIFEST, datafiles.INSTRUCTIONS, datafiles.ANSWERS, datafile
 
 class Interrupted(Exception):
     pass
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -22,14 +22,6 @@ from specdecode.cli import app
 from specdecode.training import data, datafiles
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def prompts_file(folder, lines: list[bytes]):
     path = folder / "prompts.jsonl"
     path.write_bytes(b"".join(line + b"\n" for line in lines))

@@ -116,16 +116,20 @@ class Grammars:
         eos = self.eos or None
         return llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
 
-    def matcher(self, constraint: Constraint) -> Matcher:
-        """A new matcher at the start of the constraint's grammar; a constraint llguidance
-        refuses (a bad schema, pattern or grammar) is an error naming it."""
-        llguidance = require_llguidance()
+    def grammar(self, constraint: Constraint) -> str:
+        """The constraint's grammar, checked; a constraint llguidance refuses (a bad schema,
+        pattern or grammar) is an error naming it."""
         with self._lock:
             grammar = self._compiled.pop(constraint, None) or self._compile(constraint)
             self._compiled[constraint] = grammar  # the most recent last
             while len(self._compiled) > MAX_GRAMMARS:
                 self._compiled.popitem(last=False)
-            return Matcher(llguidance.LLMatcher(self.tokenizer, grammar), self.vocab_size)
+            return grammar
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A new matcher at the start of the constraint's grammar."""
+        llguidance = require_llguidance()
+        return Matcher(llguidance.LLMatcher(self.tokenizer, self.grammar(constraint)), self.vocab_size)
 
     def _compile(self, constraint: Constraint) -> str:
         llguidance = require_llguidance()
