@@ -91,7 +91,7 @@ def instructions_per_token() -> tuple[int, int]:
 
 
 def run(args) -> str:
-    if int8_kernel.load() is None or not int8_kernel.load().vnni:
+    if int8_kernel.load() is None or int8_kernel.load().isa != "avx512-vnni":
         return "This CPU runs no AVX512-VNNI kernel: nothing to measure.\n"
     kernel = int8_kernel.load()
     peaks = peak_rates()

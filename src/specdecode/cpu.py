@@ -90,6 +90,11 @@ def kernel_isa() -> str:
     return runnable[0]
 
 
+def kernel_isa_forced() -> bool:
+    """Whether SPECDECODE_KERNEL_ISA names a build this CPU runs (kernel_isa then picks it)."""
+    return os.environ.get(KERNEL_ISA_VARIABLE, "").strip().lower() in runnable_kernel_isas()
+
+
 @functools.cache
 def _refuse(forced: str, runnable: tuple[str, ...]) -> None:  # once per value
     log.warning(

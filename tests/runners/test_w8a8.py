@@ -194,6 +194,7 @@ def test_recipes_name_products():
 WITHOUT_VNNI = """
 import torch
 from specdecode.runners import projection
+projection.own_kernel = lambda: None  # oneDNN's products, as where the own kernel did not build
 assert projection.weight_limit() == {limit}
 weight = torch.randn(64, 1536, generator=torch.Generator().manual_seed(0))
 x = torch.randn(8, 1536, generator=torch.Generator().manual_seed(1))
@@ -208,8 +209,8 @@ print(torch.equal(product(x), (sums.float() * product.scales) * row_scales))
 
 @pytest.mark.parametrize("limit", [63, 127])
 def test_without_vnni_seven_bit_weights_keep_the_integer_sums_exact(limit, monkeypatch):
-    """oneDNN capped below VNNI (as on CPUs without it) sums u8 x s8 pairs in 16 saturating
-    bits: 7-bit weights (what weight_limit() picks there) give the exact sums; 8-bit ones, the
+    """oneDNN capped below VNNI (as on CPUs without it, where the own kernel did not build) sums
+    u8 x s8 pairs in 16 saturating bits: 7-bit weights (what weight_limit() picks there) give the exact sums; 8-bit ones, the
     negative control, do not."""
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
     code = WITHOUT_VNNI.format(limit=limit)
@@ -370,13 +371,22 @@ def test_the_own_int8_kernel_gives_the_same_bits_on_one_thread_and_on_two(isa):
     assert same_bits_on_one_thread_and_two(product, awkward_rows(20, 576, torch.bfloat16, seed=8))
 
 
-def test_the_kernel_is_chosen_from_the_cpu_flags(monkeypatch):
-    monkeypatch.setattr(projection, "cpu_flags", lambda: frozenset({"avx512f", "avx2"}))
+@pytest.mark.skipif(int8_kernel.load() is None, reason="no gcc: the C kernel did not build")
+def test_every_vectorized_build_runs_the_own_product_with_eight_bit_weights(monkeypatch):
+    """A CPU without VNNI (oneDNN capped below it, as on AVX2 CPUs) takes the own kernel's AVX2
+    build, whose int32 sums keep 8-bit weights exact; the portable build only where forced, else
+    oneDNN's product with 7-bit weights."""
+    kernel = int8_kernel.load()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setattr(kernel, "isa", "avx2")
+    product = int8_projection(torch.randn(64, 64), None)
+    assert projection.own_kernel() is kernel and product.compensation is not None and product.limit == 127
+    monkeypatch.setattr(kernel, "isa", "portable")
     assert projection.own_kernel() is None
-    assert int8_projection(torch.randn(64, 64), None).compensation is None  # oneDNN's layout
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # a CPU without VNNI, for oneDNN and for us
-    monkeypatch.setattr(projection, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
-    assert projection.own_kernel() is None
+    product = int8_projection(torch.randn(64, 64), None)
+    assert product.compensation is None and product.limit == 63  # oneDNN's layout
+    monkeypatch.setenv(cpu.KERNEL_ISA_VARIABLE, "portable")
+    assert projection.own_kernel() is kernel
 
 
 def test_without_the_c_kernel_w8a8_runs_torch_s_operations_with_the_same_bits(monkeypatch, caplog):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.cpu import cpu_flags
+from specdecode.cpu import cpu_flags, kernel_isa
 
 
 def describe_environment(device: torch.device, dtype: torch.dtype, target_runner: str) -> dict:
@@ -22,6 +22,7 @@ def describe_environment(device: torch.device, dtype: torch.dtype, target_runner
         "cpu": cpu_name(),
         "cpu_features": cpu_features(),
         "cpu_count": os.cpu_count(),
+        "kernel_isa": kernel_isa(),  # which build of this package's C kernels ran
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
         "device": str(device),
@@ -36,9 +37,10 @@ def describe_environment(device: torch.device, dtype: torch.dtype, target_runner
 def summary_line(environment: dict) -> str:
     versions = environment["versions"]
     features = environment.get("cpu_features")
-    hardware = (
-        environment["gpu"]
-        or f"{environment['cpu']} ({environment['cpu_count']} cores{', ' + features if features else ''})"
+    isa = environment.get("kernel_isa")
+    hardware = environment["gpu"] or (
+        f"{environment['cpu']} ({environment['cpu_count']} cores{', ' + features if features else ''})"
+        f"{', C kernels built for ' + isa if isa else ''}"
     )
     precision = environment.get("engine_precision")
     load = [environment.get(f"load_average_1m_{when}") for when in ("before", "after")]

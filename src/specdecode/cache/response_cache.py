@@ -83,7 +83,7 @@ def runner_variant(runner) -> list:
     if isinstance(runner, str):
         return [runner]
     from specdecode.runners.int8_kernel import WEIGHT_LIMIT, WIDE_ACTIVATION_LIMIT
-    from specdecode.runners.projection import Int8Projection, Projection, W8A16Projection, weight_limit
+    from specdecode.runners.projection import Int8Projection, Projection, W8A16Projection
 
     products: Counter = Counter()
 
@@ -95,7 +95,7 @@ def runner_variant(runner) -> list:
             )
             products[(*kind, str(value.weight.dtype))] += 1
         elif isinstance(value, Int8Projection):  # w8a8: the weight codes' range decides the bits
-            products[("w8a8", weight_limit(), str(None if value.bias is None else value.bias.dtype))] += 1
+            products[("w8a8", value.limit, str(None if value.bias is None else value.bias.dtype))] += 1
         elif isinstance(value, W8A16Projection):  # int8 weights, 16-bit activations: other bits than w8a8's
             bias = str(None if value.bias is None else value.bias.dtype)
             products[("w8a16", WEIGHT_LIMIT, WIDE_ACTIVATION_LIMIT, bias)] += 1

@@ -84,8 +84,8 @@ class Int8Recipe:
     `calibration` (token ids; empty: CALIBRATION_TOKENS ids drawn uniformly from the vocabulary
     with a fixed seed, so that no text is needed and the model is the same at every load).
 
-    Neither keep_float nor w8a16 given: the default for this CPU. Where this package's VNNI
-    kernel runs (AVX512-VNNI), the output head in w8a16 and every layer product in w8a8: the head
+    Neither keep_float nor w8a16 given: the default for this CPU. Where this package's int8
+    kernel runs (projection.own_kernel: its AVX512-VNNI or AVX2 build), the output head in w8a16 and every layer product in w8a8: the head
     is the product whose int8 activations cost the most perplexity, and 16-bit ones cost about
     what the bfloat16 head does for fewer bytes read. Elsewhere the w8a16 head would run on
     torch's exact float64 path, slower than bfloat16's, so the head stays in the model's dtype.
@@ -166,7 +166,7 @@ class FastLlamaRunner(StaticCacheRunner):
     with a cache of its own (forward_batch, new_cache). quantization int8-weight-only stores
     the layers' products as weight-only int8 (the embedding and output head stay as they are);
     w8a8 runs them on int8 weights and per-row int8 activations (projection.Int8Projection;
-    which products, `int8`; by default on AVX512-VNNI the output head with 16-bit activations,
+    which products, `int8`; by default where the own int8 kernel runs the output head with 16-bit activations,
     projection.W8A16Projection), exact by construction: integer sums do not depend on the rows
     beside a row. Embeddings, norms, attention and the KV cache stay in the model's dtype.
 
@@ -244,9 +244,10 @@ class FastLlamaRunner(StaticCacheRunner):
             raise ValueError("w8a8 runs on oneDNN's int8 products, on the CPU; this torch or device has none")
         self.quantization = quantization
         self.int8 = (int8 or Int8Recipe()) if quantization is precision.W8A8 else None
-        if self.int8 is not None and not has_vnni():
+        if self.int8 is not None and projections.own_kernel() is None and not has_vnni():
             logger.warning(
-                "w8a8: this CPU has no VNNI (AVX512-VNNI, AVX-VNNI or AMX): weights in 7 bits keep its sums exact"
+                "w8a8: without this package's C kernel (gcc) and without VNNI (AVX512-VNNI, AVX-VNNI or AMX),"
+                " oneDNN's products need weights in 7 bits to keep their sums exact"
             )
         config = model.config
         self.model = model
@@ -294,7 +295,7 @@ class FastLlamaRunner(StaticCacheRunner):
         self._compiled_layers = None  # compile() sets it
 
     def _bind_int8_layers(self) -> int8_layer.BoundLayers | None:
-        """w8a8 with every layer product on the own VNNI kernel and attention on the tree kernel:
+        """w8a8 with every layer product on the own int8 kernel and attention on the tree kernel:
         the layers in one C call a forward (int8_layer.py), for every forward of this runner (its
         bits are not the torch path's, and a forward reads the keys earlier ones wrote)."""
         if self.int8 is None or self._kernel is None or self.dtype not in int8_layer.DTYPES:

@@ -69,9 +69,6 @@ class Int8Kernel:
             function.restype = ctypes.c_int
         library.sd_kernel_isa.restype = ctypes.c_char_p
         self.isa = library.sd_kernel_isa().decode()  # the instruction set its inner loops were built for
-        # product() runs on every build; projection.own_kernel reads this name, from when only the
-        # AVX512-VNNI build multiplied (where the own products run is its choice)
-        self.vnni = True
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:  # [n, in]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode import precision
-from specdecode.cpu import cpu_flags, has_amx, has_avx512
+from specdecode.cpu import cpu_flags, has_amx, has_avx512, kernel_isa_forced
 from specdecode.runners import int8_kernel
 from specdecode.runners.opaque import onednn_linear
 
@@ -160,7 +160,8 @@ class Int8Projection:
 
     On CPUs without VNNI (AVX512-VNNI, AVX-VNNI or AMX), oneDNN multiplies u8 x s8 pairs into
     saturating 16-bit sums; weights of 7 bits (|code| <= 63) keep every pair sum in range, so the
-    sums stay exact there too (`weight_limit`)."""
+    sums stay exact there too (`weight_limit`). The own kernel sums 8-bit ones exactly on every
+    build, so only a product it cannot pack (or a machine where it did not build) gets 7 bits."""
 
     # oneDNN's prepacked int8 weight (torch.ops.onednn.qlinear_prepack), or with `compensation`
     # the codes in int8_kernel's layout (Int8Kernel.pack): one copy either way
@@ -170,6 +171,7 @@ class Int8Projection:
     bias: torch.Tensor | None  # [out], in the activations' dtype
     shape: tuple[int, int]  # (out, in)
     compensation: torch.Tensor | None = None  # [out] int32: 128 x each channel's code sum (own kernel)
+    limit: int = int8_kernel.WEIGHT_LIMIT  # the largest weight code (weight_limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] in x's dtype
         # the own layout is made only where int8_kernel loaded, and a loaded kernel stays loaded
@@ -346,7 +348,7 @@ def wide_quantize_rows_torch(
 def w8a16_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> W8A16Projection:  # weight [out, in]
     """The w8a16 product of a float weight: int8 codes per output channel (8 bits wherever it
     runs: its sums never pass through oneDNN's 16-bit pairs), packed for this package's kernel
-    where it runs with VNNI, else kept plain for the torch path."""
+    where it runs (own_kernel), else kept plain for the torch path."""
     weight = weight.detach().float()
     limit = int8_kernel.WEIGHT_LIMIT
     scales = weight.abs().amax(dim=1).clamp_min(1e-30) / limit  # [out] float32
@@ -364,18 +366,19 @@ def int8_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Proj
     """The w8a8 product of a float weight: int8 codes per output channel, packed for this
     package's kernel where it runs (own_kernel), else prepacked for oneDNN."""
     weight = weight.detach().float()
-    limit = weight_limit()
+    shape = (weight.shape[0], weight.shape[1])
+    kernel = own_kernel()
+    own = kernel is not None and kernel.packs(shape)
+    limit = int8_kernel.WEIGHT_LIMIT if own else weight_limit()
     scales = weight.abs().amax(dim=1).clamp_min(1e-30) / limit  # [out] float32
     codes = torch.round(weight / scales[:, None]).clamp_(-limit, limit).to(torch.int8)
     bias = bias.detach().clone() if bias is not None else None
-    shape = (weight.shape[0], weight.shape[1])
-    kernel = own_kernel()
-    if kernel is not None and kernel.packs(shape):  # the codes in its layout only: no oneDNN copy
+    if own:  # the codes in its layout only: no oneDNN copy
         compensation = codes.sum(dim=1, dtype=torch.int32) * ACTIVATION_ZERO_POINT
-        return Int8Projection(kernel.pack(codes), scales, None, bias, shape, compensation)
+        return Int8Projection(kernel.pack(codes), scales, None, bias, shape, compensation, limit)
     packed = torch.ops.onednn.qlinear_prepack(codes, [1, weight.shape[1]])
     zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
-    return Int8Projection(packed, scales, zero_points, bias, shape)
+    return Int8Projection(packed, scales, zero_points, bias, shape, limit=limit)
 
 
 class CodedEmbedding:
@@ -410,17 +413,19 @@ def coded_embedding(head: object, dtype: torch.dtype) -> CodedEmbedding | None:
 
 
 def own_kernel() -> int8_kernel.Int8Kernel | None:
-    """This package's int8 product kernel where it runs: built with AVX512-VNNI, on a CPU whose
-    flags list it, and oneDNN not capped below VNNI (a cap stands for a CPU without it: CPUs with
-    AVX-VNNI alone or AMX keep oneDNN's kernel). Same bits as oneDNN's; faster for few rows."""
+    """This package's int8 product kernel where it runs: a vectorized build (AVX512-VNNI or AVX2,
+    whichever cpu.kernel_isa chose), or the portable one where SPECDECODE_KERNEL_ISA forces it.
+    Each sums 8-bit weights exactly in int32, where oneDNN without VNNI needs 7-bit ones, and
+    gives oneDNN's bits; it is faster for few rows, and the C decoder layers need it."""
     kernel = int8_kernel.load()
-    if kernel is None or not kernel.vnni or "avx512_vnni" not in cpu_flags() or not has_vnni():
+    if kernel is None or (kernel.isa == "portable" and not kernel_isa_forced()):
         return None
     return kernel
 
 
 def weight_limit() -> int:
-    """The largest weight code: 127 with VNNI, else 63 (see Int8Projection)."""
+    """The largest weight code of a product in oneDNN's layout: 127 with VNNI, else 63 (see
+    Int8Projection). The own kernel's are always 127 (int8_kernel.WEIGHT_LIMIT)."""
     return 127 if has_vnni() else 63
 
 
