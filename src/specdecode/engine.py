@@ -52,7 +52,7 @@ from specdecode.errors import InvalidArgumentError, PromptTooLongError
 from specdecode.loading import DEFAULT_TARGET, load_model, precision_of
 from specdecode.runners import ModelRunner, runner_for
 from specdecode.runners.base import CompilableRunner
-from specdecode.runners.select import resolve_precision
+from specdecode.runners.select import resolve_precision, runner_label
 
 __all__ = ["DRAFTERS", "CacheOptions", "DrafterOptions", "GenerationResult", "SpeculativeEngine"]
 
@@ -471,6 +471,7 @@ class SpeculativeEngine:
             if finish.reason == "stop" and seq.stopping.stop_strings:
                 text = _cut_at_stop_string(text, seq.stopping.stop_strings)
         stats.target_precision = self.precision
+        stats.target_runner = runner_label(self.target_runner)
         return GenerationResult(text, list(seq.generated), seq.prompt_ids, finish.reason, stats)
 
     def prompt_token_ids(self, prompt: str | SequenceOf[int], chat: bool) -> list[int]:

@@ -9,10 +9,10 @@ import torch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -233,11 +233,9 @@ def test_runner_choice():
     assert isinstance(runner_for(tiny_llama(seed=1)), FastLlamaRunner)
     assert isinstance(runner_for(tiny_gpt2(seed=1)), FastGPT2Runner)
     assert isinstance(runner_for(tiny_llama(seed=1), "transformers"), HFModelRunner)
-    unsupported = GPTNeoXForCausalLM(
-        GPTNeoXConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
-    )
+    unsupported = MambaForCausalLM(MambaConfig(vocab_size=24, hidden_size=32, num_hidden_layers=1))
     assert isinstance(runner_for(unsupported), HFModelRunner)  # transformers' own path
-    with pytest.raises(ValueError, match="the fast runner supports"):
+    with pytest.raises(ValueError, match="no fast runner runs mamba"):
         runner_for(unsupported, "fast")
     with pytest.raises(ValueError, match="unknown runner"):
         runner_for(tiny_llama(seed=1), "turbo")
@@ -282,7 +280,7 @@ def test_longrope_is_left_to_transformers():
         }
     )
     assert not fast_llama.supports(longrope)
-    assert isinstance(runner_for(longrope), HFModelRunner)
+    assert isinstance(runner_for(longrope), HFModelRunner)  # nor the generic fast runner
     assert fast_llama.supports(llama({"rope_type": "linear", "factor": 2.0}))
     assert fast_llama.supports(llama({"rope_type": "dynamic", "factor": 2.0}))
 
@@ -370,7 +368,9 @@ def test_auto_dtype_is_bfloat16_only_where_a_fast_path_makes_it_exact_and_fast(m
     assert auto_dtype(llama, cpu, "auto", "int8") == torch.float32  # LLM.int8: not shown exact in bfloat16
     assert auto_dtype(llama, torch.device("cuda"), "auto", None) == torch.float32
     gelu = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, hidden_act="gelu")
-    assert auto_dtype(gelu, cpu, "auto", None) == torch.float32  # no fast path for it
+    assert auto_dtype(gelu, cpu, "auto", None) == torch.bfloat16  # transformers' modeling on the fast kernels
+    mamba = MambaConfig(num_hidden_layers=1, hidden_size=64)
+    assert auto_dtype(mamba, cpu, "auto", None) == torch.float32  # no fast path for it
     monkeypatch.setattr(select, "cpu_flags", lambda: frozenset({"avx2"}))  # bfloat16 emulated: slower
     assert auto_dtype(llama, cpu, "auto", None) == torch.float32
 

@@ -32,6 +32,7 @@ class GenerationStats:
     wall_time_s: float = 0.0
     cached: bool = False  # answered from the response cache, without a forward
     target_precision: str | None = None  # the target's weights: "float32", "nf4 (bitsandbytes, ...)" (engine.py)
+    target_runner: str | None = None  # which runner ran the target, in words (runners.select.runner_label)
     # tokens the target ran again because its cache had lost them (after an engine crash, or a
     # failed forward its runner could not undo); they emit nothing new (decoder.py, "rebuild")
     replayed_tokens: int = 0
@@ -129,6 +130,7 @@ class GenerationStats:
                 else ""
             )
             + (f" | target {self.target_precision}" if self.target_precision else "")
+            + (f" on {self.target_runner}" if self.target_runner else "")
             + (f" | {self.forced_accepted}/{self.forced_tokens} grammar-forced tokens" if self.forced_tokens else "")
             + (f" | {self.replayed_tokens} tokens replayed" if self.replayed_tokens else "")
             + (f" | note: {self.note}" if self.note else "")

@@ -11,9 +11,10 @@ from specdecode import precision
 from specdecode.cpu import cpu_flags
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import load_config, quantization_of, resolve_device
-from specdecode.runners import fast_gpt2, fast_llama
+from specdecode.runners import fast_gpt2, fast_llama, fast_transformers
 from specdecode.runners.base import ModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.runners.fast_transformers import FastTransformersRunner
 from specdecode.runners.hf import HFModelRunner
 from specdecode.runners.projection import onednn_supports
 
@@ -44,29 +45,47 @@ def runner_for(
     fast = _fast_runner_class(model) if runner != "transformers" else None
     if runner == "fast" and fast is None:
         raise InvalidArgumentError(
-            f"the fast runner supports Llama-family (llama, mistral, qwen2) and GPT-2 models, "
-            f"not {model.config.model_type}; use --runner auto"
+            f"no fast runner runs {model.config.model_type} models exactly "
+            f"({fast_transformers.unsupported(model)}); use --runner auto"
         )
     if quantization is None:
         return fast(model) if fast is not None else HFModelRunner(model)
     if runner == "transformers":
         raise InvalidArgumentError(
-            f"{quantization.name} quantizes the products of the Llama-family fast runner, which the transformers "
+            f"{quantization.name} quantizes the products of the fast runners, which the transformers "
             "runner does not run: leave the runner at auto (or fast)",
             "quantization",
         )
-    if fast is not FastLlamaRunner:
+    if fast not in (FastLlamaRunner, FastTransformersRunner):
         raise InvalidArgumentError(
-            f"{quantization.name} runs on the Llama-family fast runner, not on {model.config.model_type} models",
+            f"{quantization.name} runs on the fast runners, not on {model.config.model_type} models "
+            f"({fast_transformers.unsupported(model) or 'GPT-2 runs on its own'})",
             "quantization",
         )
-    return FastLlamaRunner(model, quantization)
+    return fast(model, quantization)
+
+
+RUNNER_LABELS = {
+    FastLlamaRunner: "fast Llama runner",
+    fast_gpt2.FastGPT2Runner: "fast GPT-2 runner",
+    FastTransformersRunner: "transformers' modeling on the fast kernels",
+    HFModelRunner: "transformers' runner",
+}
+
+
+def runner_label(runner: ModelRunner) -> str:
+    """Which runner runs a target, in words (the stats line names it)."""
+    return next((label for cls, label in RUNNER_LABELS.items() if isinstance(runner, cls)), type(runner).__name__)
 
 
 def _fast_runner_class(model: PreTrainedModel) -> type | None:
+    """The hand-written runners where they apply (Llama family, GPT-2), else transformers'
+    modeling code on the engine's kernels (fast_transformers.py), else None."""
     for module, runner_class in ((fast_llama, fast_llama.FastLlamaRunner), (fast_gpt2, fast_gpt2.FastGPT2Runner)):
         if module.supports(model):
             return runner_class
+    if fast_transformers.supports(model):
+        return FastTransformersRunner
     return None
 
 
@@ -94,6 +113,9 @@ def resolve_precision(
 def circumstances(config: PretrainedConfig, device: torch.device, runner: str) -> precision.Circumstances:
     """What --dtype auto decides on, for a model of this config run by that runner choice."""
     native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and onednn_supports(torch.bfloat16)
-    # supports() reads the config alone
-    fast = runner != "transformers" and _fast_runner_class(SimpleNamespace(config=config)) is not None
+    # the hand-written runners' supports() read the config alone; the generic one, the model class's
+    shape = SimpleNamespace(config=config)
+    fast = runner != "transformers" and (
+        fast_llama.supports(shape) or fast_gpt2.supports(shape) or fast_transformers.supports_config(config)
+    )
     return precision.Circumstances(device, native_bfloat16=native, fast_path=fast)

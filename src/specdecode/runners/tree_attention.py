@@ -27,7 +27,7 @@ from specdecode.runners import native
 log = logging.getLogger(__name__)
 
 SOURCE = native.CSRC / "tree_attention.c"
-ABI_VERSION = 3
+ABI_VERSION = 4
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 256  # the C file's MAX_DIM
 
@@ -47,7 +47,8 @@ class _Args(ctypes.Structure):  # the C file's Args
         (name, ctypes.c_int64)
         for name in ("q_head_stride", "q_row_stride", "kv_head_stride", "out_head_stride", "out_row_stride")
     ]
-    _fields_ += [("contiguous", ctypes.c_void_p), ("extra", ctypes.c_void_p)]
+    _fields_ += [("contiguous", ctypes.c_void_p), ("extra", ctypes.c_void_p), ("first", ctypes.c_void_p)]
+    _fields_ += [("softcap", ctypes.c_float)]
 
 
 class TreeAttention:
@@ -71,10 +72,12 @@ class TreeAttention:
         contiguous: torch.Tensor,  # [n] int32: query i sees cache positions 0 .. contiguous[i] - 1
         extra: torch.Tensor,  # [n, E] int32: then these cache positions, in order, until a -1
         scale: float,
+        first: torch.Tensor | None = None,  # [n] int32: query i's first cache position (a sliding window)
+        softcap: float = 0.0,  # tanh soft-capping of the scaled scores (0: none)
     ):
         """The call for one forward of one sequence, all but its tensors fixed: a function of the
         data pointers of q, keys, values and out, and of q's strides where they change
-        (contiguous and extra must outlive it)."""
+        (contiguous, extra and first must outlive it)."""
         args = _Args(
             DTYPES[dtype],
             heads,
@@ -89,6 +92,8 @@ class TreeAttention:
             *out_strides,
             contiguous.data_ptr(),
             extra.data_ptr(),
+            None if first is None else first.data_ptr(),
+            softcap,
         )
         pointer, call = ctypes.addressof(args), self._call
 

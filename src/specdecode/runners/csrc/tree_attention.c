@@ -14,8 +14,9 @@
  *   sum     = 16 lanes, lane l adding p_j for j = l mod 16 in increasing j, then folded 8, 4, 2, 1
  *   out[t]  = (fma chain over j, in increasing j: acc = fma(p_j, v_j[t], acc)) / sum, rounded
  *             to the model's dtype (to nearest even)
- * where j is the LOGICAL index of a key: 0 .. contiguous-1 are cache positions 0 .. contiguous-1,
- * then contiguous + e is cache position extra[e]. Every other expression is written out in C and
+ * where j is the LOGICAL index of a key: 0 .. contiguous-first-1 are cache positions first ..
+ * contiguous-1 (first: 0, or a sliding window's first position), then cache position extra[e].
+ * With a soft cap, score_j = tanhf(score_j / cap) * cap before the maximum. Every other expression is written out in C and
  * compiled with -ffp-contract=off and without -ffast-math: the compiler may vectorize it (lanes
  * are independent elements) but neither fuse a multiply into an add nor reassociate a sum. The
  * fused multiply-adds are explicit (fma_lanes, or _mm256_fmadd_ps on AVX2: one rounding, IEEE's,
@@ -51,7 +52,7 @@ typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
-int sd_abi_version(void) { return 3; }
+int sd_abi_version(void) { return 4; }
 
 /* ---- dtype conversions (exact to float32; float32 to bfloat16/float16 round to nearest even) ---- */
 
@@ -321,8 +322,8 @@ typedef struct {
     long q_head_stride, q_row_stride; /* elements */
     const char *keys, *values;
     long kv_head_stride; /* elements; a position's d elements are contiguous */
-    const int32_t *contiguous, *extra;
-    float scale;
+    const int32_t *contiguous, *extra, *first; /* first: NULL, or each query's first contiguous position */
+    float scale, softcap;
     char *out;
     long out_head_stride, out_row_stride;
     size_t esize;
@@ -431,29 +432,32 @@ static void extra_scores(const Call *c, int g, int query) {
  * contiguous scores, then the extras'), and their weighted values over one chunk of d */
 static void weigh(const Call *c, int g, int query, int h0, int dchunk, float *p_scratch) {
     const int d = c->d, extras = extras_of(c, query);
-    const long c_q = c->contiguous[query], length = c_q + extras;
+    const long c_q = c->contiguous[query];
     int count = c->group - h0 < PV_ROWS ? c->group - h0 : PV_ROWS;
     const float *p[PV_ROWS];
     float sums[PV_ROWS];
     vf acc[PV_ROWS][MAX_BLOCKS];
+    const long f = c->first != NULL ? c->first[query] : 0, seen = c_q - f; /* contiguous keys seen */
     for (int r = 0; r < PV_ROWS; r++) {
         int rr = query * c->group + h0 + (r < count ? r : 0);
         float *w = p_scratch + (long)r * c->row_len;
         if (r < count) {
             const float *s = scores_of(c, g, rr);
-            memcpy(w, s, (size_t)c_q * sizeof(float));
-            memcpy(w + c_q, s + c->contig_end, (size_t)extras * sizeof(float));
-            sums[r] = softmax_weights(w, length);
+            memcpy(w, s + f, (size_t)seen * sizeof(float));
+            memcpy(w + seen, s + c->contig_end, (size_t)extras * sizeof(float));
+            if (c->softcap > 0.0f)
+                for (long j = 0; j < seen + extras; j++) w[j] = tanhf(w[j] / c->softcap) * c->softcap;
+            sums[r] = softmax_weights(w, seen + extras);
         }
         p[r] = p_scratch + (long)(r < count ? r : 0) * c->row_len;
     }
     int chunk = c->nb / c->dchunks, b0 = dchunk * chunk;
     for (int r = 0; r < PV_ROWS; r++)
         for (int b = 0; b < chunk; b++) acc[r][b] = splat(0.0f);
-    weigh_values_any(acc, p, count, c->vrows + (long)g * c->cmax * c->dp, c->dp, c_q, b0, chunk);
+    weigh_values_any(acc, p, count, c->vrows + ((long)g * c->cmax + f) * c->dp, c->dp, seen, b0, chunk);
     if (extras > 0) {
         const float *px[PV_ROWS];
-        for (int r = 0; r < PV_ROWS; r++) px[r] = p[r] + c_q;
+        for (int r = 0; r < PV_ROWS; r++) px[r] = p[r] + seen;
         weigh_values_any(acc, px, count, c->xv + ((long)g * c->n + query) * c->max_extra * c->dp, c->dp, extras, b0,
                          chunk);
     }
@@ -515,12 +519,16 @@ static void run(Call *c, int threads) {
  *   keys, values: [kv_heads, capacity, d], kv_head_stride = capacity * d
  *   contiguous: [n] int32; extra: [n, max_extra] int32, -1 after a query's last extra position
  *   out:    [heads, n, d] with strides out_head_stride, out_row_stride
- *   threads: how many threads may share the work (the result is the same for any number) */
+ *   threads: how many threads may share the work (the result is the same for any number)
+ *   first:  NULL, or [n] int32: query i sees cache positions first[i] .. contiguous[i] - 1 (a
+ *           sliding window), then its extras
+ *   softcap: 0, or the cap of tanh soft-capping on the scaled scores (Gemma 2) */
 typedef struct {
     int32_t dtype, heads, kv_heads, n, d, max_extra, threads;
     float scale;
     int64_t q_head_stride, q_row_stride, kv_head_stride, out_head_stride, out_row_stride;
-    const int32_t *contiguous, *extra;
+    const int32_t *contiguous, *extra, *first;
+    float softcap;
 } Args;
 
 /* One layer of one sequence: every query head of every query. Returns 0, or a negative number
@@ -532,9 +540,12 @@ int sd_tree_attention(const Args *a, const void *q, const void *keys, const void
     if (d <= 0 || d > MAX_DIM || kv_heads <= 0 || heads % kv_heads != 0 || n <= 0 || dtype < 0 ||
         dtype > 2 || max_extra < 0)
         return -1;
-    for (int i = 0; i < n; i++)
-        if (contiguous[i] < 0 || (contiguous[i] == 0 && (max_extra == 0 || extra[(long)i * max_extra] < 0)))
+    for (int i = 0; i < n; i++) {
+        int from = a->first != NULL ? a->first[i] : 0;
+        if (contiguous[i] < 0 || from < 0 || from > contiguous[i] || a->softcap < 0.0f ||
+            (contiguous[i] == from && (max_extra == 0 || extra[(long)i * max_extra] < 0)))
             return -2; /* a query that sees no key */
+    }
     Call c = {0};
     c.dtype = dtype, c.heads = heads, c.kv_heads = kv_heads, c.n = n, c.d = d, c.max_extra = max_extra;
     c.group = heads / kv_heads, c.rows = c.group * n;
@@ -542,6 +553,7 @@ int sd_tree_attention(const Args *a, const void *q, const void *keys, const void
     c.q = (const char *)q, c.q_head_stride = a->q_head_stride, c.q_row_stride = a->q_row_stride;
     c.keys = (const char *)keys, c.values = (const char *)values, c.kv_head_stride = a->kv_head_stride;
     c.contiguous = contiguous, c.extra = extra, c.scale = a->scale, c.out = (char *)out;
+    c.first = a->first, c.softcap = a->softcap;
     c.out_head_stride = a->out_head_stride, c.out_row_stride = a->out_row_stride, c.esize = elem_size(dtype);
     for (int i = 0; i < n; i++) c.cmax = contiguous[i] > c.cmax ? contiguous[i] : c.cmax;
     int threads = a->threads < 1 ? 1 : a->threads;
