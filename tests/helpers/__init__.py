@@ -2,7 +2,7 @@
 `stats` (exact sampling laws, the G-test), `services` (servers and Redis/Prometheus on
 loopback), `bits` (bit-for-bit comparisons of kernels and the inputs that try them). Test files import from `helpers`; the names below are all there is."""
 
-from helpers.bits import BITS, awkward_rows, same_bits, same_bits_on_one_thread_and_two
+from helpers.bits import BITS, awkward_rows, every_kind_of_forward, same_bits, same_bits_on_one_thread_and_two
 from helpers.models import (
     GREEDY_PROMPTS,
     TINY_SHAPE,
@@ -53,6 +53,7 @@ from helpers.stats import (
 __all__ = [
     "BITS",
     "awkward_rows",
+    "every_kind_of_forward",
     "same_bits",
     "same_bits_on_one_thread_and_two",
     "ALPHA",

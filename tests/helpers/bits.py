@@ -72,3 +72,26 @@ def forced_kernel_isa(isa: str) -> Iterator[None]:
         else:
             os.environ[cpu.KERNEL_ISA_VARIABLE] = previous
         int8_kernel._ready[:] = kept
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def every_kind_of_forward(runner, layers: int) -> list[torch.Tensor]:
+    """Logits and hidden states (layers 0, 1 and the output of `layers`) of every kind of forward:
+    three prefills in one forward (one past a 64-query attention chunk), then a chain of 5, one
+    token and a tree of 4 beside each other, then one-token decoding."""
+    runner.hidden_layers = (0, 1, layers)
+
+    def hidden() -> list[torch.Tensor]:  # a tensor, or one per sequence
+        return list(runner.hidden) if isinstance(runner.hidden, list) else [runner.hidden]
+
+    caches = [runner.new_cache() for _ in range(3)]
+    prompts = [_tokens(n, seed=s) for n, s in ((70, 3), (12, 4), (27, 5))]
+    results = runner.forward_batch(caches, prompts, [2, 2, 2]) + hidden()
+    parents = [None, None, torch.tensor([-1, 0, 0, 1])]
+    new = [_tokens(5, seed=6), _tokens(1, seed=7), _tokens(4, seed=8)]
+    results += runner.forward_batch(caches, new, [5, 1, 4], parents) + hidden()
+    runner.reset()
+    return results + [runner.forward(_tokens(1, seed=9), 1)] + hidden()

@@ -1,7 +1,9 @@
 """Transformers' modeling code on the engine's kernels (runners/fast_transformers.py), for every
 architecture listed: transformers' logits, each verified row with its bits alone (chains, trees,
 batches; with a negative control), greedy speculation equal to transformers' generate with drafts
-kept, w8a8 speculation equal to its own target-only decoding, sampling by G-test."""
+kept, w8a8 speculation equal to its own target-only decoding, sampling by G-test. With w8a8, the
+architectures of the C decoder's recipes (C_RECIPES) run their layers in C: the same model as the
+torch path to float32 rounding, its own bits alone in every kind of forward, on every build."""
 
 import pytest
 import torch
@@ -12,16 +14,19 @@ from helpers import (
     ALPHA,
     DIST_VOCAB,
     assert_drafted_and_accepted,
+    every_kind_of_forward,
     exact_joint,
     g_test_pvalue,
     hf_greedy,
+    same_bits,
     sample_counts,
     verified_differs_from_alone,
 )
+from helpers.bits import forced_kernel_isa, kernel_isas
 from specdecode import SpeculativeEngine
 from specdecode.cpu import cpu_flags
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter, RecyclingDrafter
-from specdecode.runners import HFModelRunner, runner_for
+from specdecode.runners import HFModelRunner, int8_layer, projection, runner_for
 from specdecode.runners import fast_transformers as generic
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.fast_transformers import FastTransformersRunner
@@ -61,6 +66,11 @@ ARCHITECTURES = {
     "gpt_neox": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig, dict(num_key_value_heads=4)),  # no grouped queries
 }
 needs_bf16_cpu = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="measured on CPUs with AVX512-BF16")
+C_ARCHITECTURES = ["qwen3", "gemma2", "gemma3"]  # C_RECIPES' model types among the tested ones
+needs_c_layers = pytest.mark.skipif(
+    not projection.int8_supported() or projection.own_kernel() is None or int8_layer.load() is None,
+    reason="no own w8a8 product or no gcc here",
+)
 
 
 def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config):
@@ -241,3 +251,83 @@ def test_the_stats_line_names_the_runner():
     engine = SpeculativeEngine(FastTransformersRunner(tiny("qwen3")), drafter=PromptLookupDrafter())
     stats = engine.generate([PROMPTS[0]], max_new_tokens=5)[0].stats
     assert "on transformers' modeling on the fast kernels" in stats.summary()
+
+
+def c_runner(name: str, dtype: torch.dtype = torch.bfloat16, seed: int = 1, **config) -> FastTransformersRunner:
+    runner = FastTransformersRunner(tiny(name, seed, dtype, **config), "w8a8")
+    assert runner.layer_kernel == int8_layer.kernel_identity()  # the C layers run
+    return runner
+
+
+def torch_path_runner(model, monkeypatch) -> FastTransformersRunner:
+    with monkeypatch.context() as patch:
+        patch.setattr(int8_layer, "load", lambda: None)  # as without gcc
+        runner = FastTransformersRunner(model, "w8a8")
+    assert runner.layer_kernel is None
+    return runner
+
+
+@needs_c_layers
+@pytest.mark.parametrize("name", C_ARCHITECTURES)
+def test_the_c_layers_are_the_torch_path_s_model_to_rounding(name, monkeypatch):
+    """Logits and hidden states of the C decoder against the same runner's torch path in float32
+    (the same int8 products; sliding windows, q/k norms, sandwich norms, gelu and soft-capping in
+    C): the same model, not bit for bit (the norms' sums and the activations' exp are C's, and a
+    difference in the last bit can move an activation's int8 code by one)."""
+    c = c_runner(name, torch.float32)
+    reference = torch_path_runner(c.model, monkeypatch)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
+    for runner in (c, reference):
+        runner.hidden_layers = (0, 1, 2)
+    got = [(c.forward(ids[:30], 30), c.hidden), (c.forward(ids[30:], 10), c.hidden)]
+    expected = [
+        (reference.forward(ids[:30], 30), reference.hidden),
+        (reference.forward(ids[30:], 10), reference.hidden),
+    ]
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(got, expected))  # they are the C file's bits
+
+
+@needs_c_layers
+@pytest.mark.parametrize("name", C_ARCHITECTURES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_layers_give_each_verified_token_its_logits_decoded_alone(name, dtype):
+    assert verified_differs_from_alone(c_runner(name, dtype)) == 0
+
+
+@needs_c_layers
+@pytest.mark.parametrize("name", C_ARCHITECTURES)
+def test_c_layers_give_every_kind_of_forward_the_bits_of_its_rows_alone(name):
+    """A batch of prefills, then a chain, one token and a tree side by side: each sequence's logits
+    and hidden states are those it gets alone."""
+    runner = c_runner(name)
+    together = every_kind_of_forward(runner, 2)
+    prompts, new = [(70, 3), (12, 4), (27, 5)], [(5, 6, None), (1, 7, None), (4, 8, torch.tensor([-1, 0, 0, 1]))]
+    for i, ((n, seed), (m, new_seed, parents)) in enumerate(zip(prompts, new)):
+        cache = runner.new_cache()
+        ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+        prefill = runner.forward_batch([cache], [ids], [2])[0]
+        ids = torch.randint(0, 256, (m,), generator=torch.Generator().manual_seed(new_seed))
+        verified = runner.forward_batch([cache], [ids], [m], [parents])[0]
+        assert torch.equal(prefill, together[i]) and torch.equal(verified, together[6 + i]), i
+
+
+@needs_c_layers
+@pytest.mark.skipif(len(kernel_isas()) < 2, reason="this CPU runs one build of the kernels")
+@pytest.mark.parametrize("name", C_ARCHITECTURES)
+def test_every_build_writes_the_c_recipes_bits_of_the_fastest(name):
+    """Gemma's norms and gelu, q/k norms, sliding windows and soft-capping: the same float
+    operations in the same order on every build of the C layers."""
+    fastest, *others = kernel_isas()
+    with forced_kernel_isa(fastest):
+        expected = every_kind_of_forward(c_runner(name), 2)
+    for isa in others:
+        with forced_kernel_isa(isa):
+            runner = c_runner(name)
+            assert runner._c_layers._kernel.isa == isa
+            assert all(same_bits(a, b) for a, b in zip(every_kind_of_forward(runner, 2), expected, strict=True)), isa
+
+
+def test_architectures_outside_the_c_recipes_run_w8a8_on_the_torch_path():
+    runner = FastTransformersRunner(tiny("phi3", dtype=torch.bfloat16), "w8a8")
+    assert runner.layer_kernel is None and runner._c_layers is None

@@ -20,7 +20,7 @@ import torch
 
 import helpers
 from helpers import assert_drafted_and_accepted, head64_llama, same_bits
-from helpers.bits import forced_kernel_isa, kernel_isas
+from helpers.bits import every_kind_of_forward, forced_kernel_isa, kernel_isas
 from specdecode import SpeculativeEngine
 from specdecode.cache.response_cache import runner_variant
 from specdecode.drafters import PromptLookupDrafter
@@ -241,24 +241,6 @@ def test_hidden_states_come_from_the_c_layers_row_by_row(isa):
     assert torch.equal(together[1], torch.cat([hidden for _, hidden in alone]))
 
 
-def forwards(runner: FastLlamaRunner) -> list[torch.Tensor]:
-    """Logits and hidden states of every kind of forward: three prefills in one forward, then a
-    chain of 5, one token and a tree of 4 beside each other, then one-token decoding."""
-    runner.hidden_layers = (0, 1, len(runner.layers))
-
-    def hidden() -> list[torch.Tensor]:  # a tensor, or one per sequence
-        return list(runner.hidden) if isinstance(runner.hidden, list) else [runner.hidden]
-
-    caches = [runner.new_cache() for _ in range(3)]
-    prompts = [tokens(n, seed=s) for n, s in ((70, 3), (12, 4), (27, 5))]  # past a 64-query attention chunk
-    results = runner.forward_batch(caches, prompts, [2, 2, 2]) + hidden()
-    parents = [None, None, torch.tensor([-1, 0, 0, 1])]
-    new = [tokens(5, seed=6), tokens(1, seed=7), tokens(4, seed=8)]
-    results += runner.forward_batch(caches, new, [5, 1, 4], parents) + hidden()
-    runner.reset()
-    return results + [runner.forward(tokens(1, seed=9), 1)] + hidden()
-
-
 @pytest.mark.skipif(len(kernel_isas()) < 2, reason="this CPU runs one build of the kernels")
 @pytest.mark.parametrize(
     "config", [dict(dtype=torch.bfloat16), dict(dtype=torch.float32), dict(attention_bias=True, kv_heads=1)],
@@ -271,9 +253,9 @@ def test_every_build_writes_the_layers_bits_of_the_fastest(config):
     norm, rope, silu and attention are the same float operations in the same order on each)."""
     fastest, *others = kernel_isas()
     with forced_kernel_isa(fastest):
-        expected = forwards(c_runner(Int8Recipe(), **config))
+        expected = every_kind_of_forward(c_runner(Int8Recipe(), **config), 2)
     for isa in others:
         with forced_kernel_isa(isa):
             runner = c_runner(Int8Recipe(), **config)
             assert runner._int8_layers._kernel.isa == isa
-            assert all(same_bits(a, b) for a, b in zip(forwards(runner), expected, strict=True)), isa
+            assert all(same_bits(a, b) for a, b in zip(every_kind_of_forward(runner, 2), expected, strict=True)), isa

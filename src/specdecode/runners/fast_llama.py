@@ -377,7 +377,7 @@ class FastLlamaRunner(StaticCacheRunner):
                 for cache, n, tree in zip(caches, sizes, trees)
             ]
             x = x.contiguous()
-            kept = self._int8_layers(x, cos.contiguous(), sin.contiguous(), caches, sizes, keys, keep)
+            kept = self._int8_layers(x, [cos.contiguous()], [sin.contiguous()], caches, sizes, keys, keep)
             self.hidden = list(torch.stack([kept[i] for i in keep], dim=1).split(sizes)) if keep else None
             return self._finish(caches, sizes, parents, num_logits, x)
         plans = [

@@ -13,6 +13,11 @@ so the model itself runs as before) and, in the shadow:
   where the architecture asks for them);
 - the output head runs only on the rows whose logits are wanted.
 
+With `w8a8`, architectures whose layers follow one of the C decoder's recipes (`C_RECIPES`:
+Qwen3, Gemma 2, Gemma 3) run every decoder layer of a forward in one C call instead
+(int8_layer.py: the Python and dispatch around ~20 modules a layer are most of a small model's
+forward); the embeddings, rotary tables, final norm and head stay transformers' and the runner's.
+
 Norms, rotary embeddings (of the logical positions: trees too), q/k norms, scaled embeddings and
 activations stay transformers' own, element-wise or per row; so a row's logits are a function of
 that row and the keys it sees, whatever shares its forward (tests/runners/test_fast_transformers.py
@@ -22,6 +27,7 @@ checks it bit for bit, with a negative control, for every architecture listed th
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,10 +37,12 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from specdecode import precision
-from specdecode.runners import tree_attention
+from specdecode.runners import int8_layer, tree_attention
 from specdecode.runners.projection import (
+    Int8Projection,
     int8_projection,
     int8_supported,
+    own_kernel,
     projection,
     w8a16_projection,
 )
@@ -46,6 +54,10 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # architectures whose layers do more than attention and an MLP of linear layers per token (state
 # spaces, recurrent or linear attention, routed experts): their own code, or other bits per batch
 UNSUPPORTED_MODEL_TYPES = frozenset({"gemma3n", "qwen3_next", "lfm2", "falcon_h1", "jamba", "bamba", "zamba"})
+# model types whose layers the C decoder computes (csrc/int8_layer.c's recipes): their norm, and
+# whether their attention soft-caps its scores (the activation is read from the config)
+C_RECIPES = {"qwen3": ("rounded", False), "gemma2": ("plus-one", True), "gemma3_text": ("plus-one", False)}
+C_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu-tanh"}  # transformers' name -> the C file's
 
 
 def unsupported(model: PreTrainedModel) -> str | None:
@@ -69,6 +81,8 @@ def unsupported(model: PreTrainedModel) -> str | None:
 def _config_reason(config, model_class: type | None) -> str | None:
     if config.model_type in UNSUPPORTED_MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
         return f"{config.model_type} models are not plain decoders"
+    if getattr(config, "use_bidirectional_attention", False):
+        return f"this {config.model_type} model attends to later tokens (use_bidirectional_attention)"
     if model_class is None or not getattr(model_class, "_supports_attention_backend", False):
         return f"{config.model_type} models do not call transformers' attention interface"
     if not hasattr(config, "num_attention_heads") or not hasattr(config, "hidden_size"):
@@ -202,6 +216,25 @@ def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0
 AttentionInterface.register(ATTENTION, _attend)
 
 
+def _takes_layer_type(rotary: nn.Module) -> bool:
+    """Whether a rotary module computes one table per layer type (Gemma 3: local and global)."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
+def _fused_int8(linears: list[nn.Linear], dtype: torch.dtype) -> Int8Projection:
+    """One w8a8 product of several linear layers' outputs side by side (q|k|v, gate|up)."""
+    biases = [linear.bias for linear in linears]
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat(
+            [b if b is not None else torch.zeros(linear.out_features) for b, linear in zip(biases, linears)]
+        ).to(dtype)
+    )
+    with torch.no_grad():
+        return int8_projection(torch.cat([linear.weight for linear in linears]), bias)
+
+
 def _shadow(module: nn.Module, config, shadow_config) -> nn.Module:
     """A copy of the module tree whose modules are new objects (their own children, hooks and
     config) sharing the model's parameters and buffers."""
@@ -224,7 +257,6 @@ class FastTransformersRunner(StaticCacheRunner):
     compilable = False
     per_query_attention = True
     verifies_trees = True
-    layer_kernel = None
     embedding_kind = "the embedding matrix"
 
     def __init__(self, model: PreTrainedModel, quantization: precision.Quantization | str | None = None):
@@ -250,7 +282,9 @@ class FastTransformersRunner(StaticCacheRunner):
         shadow_config._attn_implementation = ATTENTION
         self.decoder = _shadow(model.base_model, config, shadow_config)
         self.products: list = []  # every product, for the response cache's fingerprint
-        self._replace_linears(self.decoder.layers)
+        self._c_layers = self._bind_c_layers()
+        if self._c_layers is None:
+            self._replace_linears(self.decoder.layers)
         head = model.get_output_embeddings()
         self.lm_head = self._product(head.weight, getattr(head, "bias", None), head=True)
         self.products.append(self.lm_head)
@@ -266,6 +300,65 @@ class FastTransformersRunner(StaticCacheRunner):
     def attention_kernel(self) -> str:
         return tree_attention.kernel_identity()
 
+    @property
+    def layer_kernel(self) -> str | None:
+        """The C decoder's identity where it runs the layers (its bits are its own)."""
+        return int8_layer.kernel_identity() if self._c_layers is not None else None
+
+    def _bind_c_layers(self) -> int8_layer.BoundLayers | None:
+        """w8a8 on the own int8 kernel, for a model whose layers follow a C recipe: every layer of a
+        forward in one C call, for every forward (its bits are not the torch path's)."""
+        config, layers = self.model.config, self.decoder.layers
+        recipe = C_RECIPES.get(config.model_type)
+        activation = C_ACTIVATIONS.get(
+            getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        )
+        if self.quantization is not precision.W8A8 or recipe is None or activation is None:
+            return None
+        if own_kernel() is None or self.dtype not in int8_layer.DTYPES or len(layers) != config.num_hidden_layers:
+            return None
+        kernel = int8_layer.load()
+        if kernel is None:
+            return None
+        rotary = self.decoder.rotary_emb
+        self._rope_types = sorted(set(config.layer_types)) if _takes_layer_type(rotary) else [None]
+        c_layers = [self._c_layer(i, layer) for i, layer in enumerate(layers)]
+        attention = [layer.self_attn for layer in layers]
+        scales = {float(a.scaling) for a in attention}
+        softcaps = {float(getattr(a, "attn_logit_softcapping", None) or 0.0) if recipe[1] else 0.0 for a in attention}
+        products = [p for layer in c_layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if len(scales) != 1 or len(softcaps) != 1 or any(p.compensation is None for p in products):
+            return None
+        norm_recipe = int8_layer.Recipe(recipe[0], activation, scales.pop(), softcaps.pop())
+        self.products += products
+        heads = config.num_attention_heads
+        return kernel.bind(
+            c_layers, self.dtype, heads, self.num_kv_heads, self.head_dim, config.rms_norm_eps, norm_recipe
+        )
+
+    def _c_layer(self, index: int, layer: nn.Module) -> int8_layer.Layer:
+        attention, mlp = layer.self_attn, layer.mlp
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: both branches' outputs normalized
+        layer_type = self.model.config.layer_types[index] if self._rope_types != [None] else None
+
+        def weight(module: nn.Module | None) -> torch.Tensor | None:
+            return None if module is None else module.weight
+
+        return int8_layer.Layer(
+            attn_norm=layer.input_layernorm.weight,
+            mlp_norm=(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight,
+            qkv=_fused_int8([attention.q_proj, attention.k_proj, attention.v_proj], self.dtype),
+            o=_fused_int8([attention.o_proj], self.dtype),
+            gate_up=_fused_int8([mlp.gate_proj, mlp.up_proj], self.dtype),
+            down=_fused_int8([mlp.down_proj], self.dtype),
+            attn_out_norm=layer.post_attention_layernorm.weight if sandwich else None,
+            mlp_out_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
+            q_norm=weight(getattr(attention, "q_norm", None)),
+            k_norm=weight(getattr(attention, "k_norm", None)),
+            window=getattr(attention, "sliding_window", None) or 0,
+            rope=self._rope_types.index(layer_type),
+        )
+
     def _replace_linears(self, root: nn.Module) -> None:
         for module in list(root.modules()):
             for name, child in list(module._modules.items()):
@@ -277,8 +370,6 @@ class FastTransformersRunner(StaticCacheRunner):
     def _product(self, weight: torch.Tensor, bias: torch.Tensor | None, head: bool):
         with torch.no_grad():
             if self.quantization is precision.W8A8:
-                from specdecode.runners.projection import own_kernel
-
                 bias = None if bias is None else bias.to(self.dtype)
                 if not head:
                     return int8_projection(weight, bias)
@@ -346,14 +437,17 @@ class FastTransformersRunner(StaticCacheRunner):
         ]
         ids = torch.cat(token_ids).to(self.device)[None]  # [1, total]
         positions = torch.cat([s.positions for s in sequences])[None]
-        self._kept = {}
-        forward = _Forward(self._kernel, sequences, sum(sizes))
-        x = self.decoder(
-            input_ids=ids, position_ids=positions, use_cache=False, specdecode_forward=forward
-        ).last_hidden_state[0]  # [total, hidden], after the final norm
         keep = self._hidden_layers
-        self.hidden = list(torch.stack([self._kept[i] for i in keep], dim=1).split(sizes)) if keep else None
-        self._kept = {}
+        if self._c_layers is not None:
+            x, kept = self._c_forward(ids, positions, sequences)
+        else:
+            self._kept = {}
+            forward = _Forward(self._kernel, sequences, sum(sizes))
+            x = self.decoder(
+                input_ids=ids, position_ids=positions, use_cache=False, specdecode_forward=forward
+            ).last_hidden_state[0]  # [total, hidden], after the final norm
+            kept, self._kept = self._kept, {}
+        self.hidden = list(torch.stack([kept[i] for i in keep], dim=1).split(sizes)) if keep else None
         for s, p in zip(sequences, parents):
             s.cache.advance(s.n, None if p is None else p.tolist())
         last = torch.cat([x[s.start + s.n - m : s.start + s.n] for s, m in zip(sequences, num_logits)])
@@ -361,6 +455,18 @@ class FastTransformersRunner(StaticCacheRunner):
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return list(logits.float().cpu().split(num_logits))
+
+    def _c_forward(self, ids: torch.Tensor, positions: torch.Tensor, sequences: list[_Sequence]):
+        """The C decoder's forward: (the final norm's output [total, hidden], kept hidden states)."""
+        x = self.decoder.embed_tokens(ids)[0].contiguous()  # [total, hidden]
+        rotary = self.decoder.rotary_emb
+        tables = [rotary(x[None], positions) if t is None else rotary(x[None], positions, t) for t in self._rope_types]
+        cos, sin = [c[0].contiguous() for c, _ in tables], [s[0].contiguous() for _, s in tables]
+        kept = self._c_layers(
+            x, cos, sin, [s.cache for s in sequences], [s.n for s in sequences],
+            [(s.contiguous, s.extra) for s in sequences], self._hidden_layers, [s.positions for s in sequences],
+        )  # fmt: skip
+        return self.decoder.norm(x), kept
 
     def _sequence(
         self, cache: StaticKVCache, start: int, n: int, num_logits: int, parents: torch.Tensor | None

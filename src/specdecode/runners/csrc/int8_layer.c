@@ -1,31 +1,37 @@
-/* The w8a8 Llama decoder (fast_llama.FastLlamaRunner with quantization="w8a8", int8_layer.py):
- * every layer of a forward in one call, for all rows of all its sequences. Per layer:
+/* The w8a8 decoder layers (int8_layer.py): every layer of a forward in one call, for all rows of
+ * all its sequences, for the Llama runner (fast_llama.py) and for the architectures of the generic
+ * runner whose layers follow one of the recipes below (fast_transformers.py). Per layer:
  *
- *   h    = rms_norm(x) * attn_norm          qkv = product(h)            (w8a8, sd_w8a8_quantized_product)
- *   q, k = rope(q, k)                       cache[length + i] = k, v     (per sequence)
- *   a    = attention(q, cache)              (sd_tree_attention: this file includes tree_attention.c)
- *   x    = x + product_o(a)
- *   h    = rms_norm(x) * mlp_norm           gate, up = product_gate_up(h)
- *   x    = x + product_down(silu(gate) * up)
+ *   h    = norm(x, attn_norm)               qkv = product(h)            (w8a8, sd_w8a8_quantized_product)
+ *   q, k = norm(q, q_norm), norm(k, k_norm)  (per head, where the layer has q/k norms: Qwen3, Gemma 3)
+ *   q, k = rope(q, k)                       cache[length + i] = k, v     (per sequence; the layer's table)
+ *   a    = attention(q, cache)              (sd_tree_attention: this file includes tree_attention.c;
+ *                                            the layer's sliding window, the model's soft-capping)
+ *   y    = product_o(a);  y = norm(y, attn_out_norm) where the layer has one (Gemma);  x = x + y
+ *   h    = norm(x, mlp_norm)                gate, up = product_gate_up(h)
+ *   y    = product_down(act(gate) * up);  y = norm(y, mlp_out_norm) where it has one;  x = x + y
  *
  * The products are the w8a8 kernel's own function (its pointer is given: one copy of that code,
  * in w8a8.c), the attention is the tree attention kernel's (included below). What this file adds
  * is the float work between them, each element (or each row's sum) on its own, in float32,
  * rounded to the model's dtype (to nearest even) where the torch path rounds:
  *
- *   rms_norm: ss = sum of x_i^2 in 16 lanes (lane l adds i = l mod 16 in increasing i; zeros pad
- *             the last block), folded 8, 4, 2, 1;  r = 1 / sqrtf(ss / hidden + eps)
- *             y_i = dt(x_i * r);  out_i = dt(w_i * y_i)
+ *   norm:     ss = sum of x_i^2 in 16 lanes (lane l adds i = l mod 16 in increasing i; zeros pad
+ *             the last block), folded 8, 4, 2, 1;  r = 1 / sqrtf(ss / size + eps)
+ *             NORM_ROUNDED (Llama, Qwen):  y_i = dt(x_i * r);  out_i = dt(w_i * y_i)
+ *             NORM_PLUS_ONE (Gemma):       out_i = dt((x_i * r) * (1 + w_i))
  *   rope:     out_t = dt(dt(x_t * cos_t) + dt(rot_t * sin_t)), rot = (-x[d/2:], x[:d/2])
  *   silu*mul: e = exp(-|g|) (tree_attention.c's exp_lanes), s = g >= 0 ? 1 / (1 + e) : e / (1 + e)
  *             out = dt(dt(g * s) * up)
+ *   gelu*mul: u = c (g + 0.044715 g^3), c = sqrt(2 / pi);  e = exp(-2 |u|),
+ *             t = sign(u) (1 - e) / (1 + e) (tanh u);  out = dt(dt(0.5 g (1 + t)) * up)
  *   residual: x = dt(x + y)
  * (dt: the rounding to the model's dtype; nothing in float32). Compiled with -ffp-contract=off
  * and without -ffast-math (native.py). None of it reads another row, so a row's result is a
  * function of that row and of the keys its attention sees: the same alone, in a chain, in a
- * tree or among other sequences' rows, on any number of threads. The rms norm's sum and the
- * silu's exp are not torch's (its reduction order and its exp are its own), so the bits are
- * this file's, not the torch path's: the runner runs every forward of such a model here
+ * tree or among other sequences' rows, on any number of threads. The norm's sum and the
+ * activations' exp are not torch's (its reduction order and its exp are its own), so the bits
+ * are this file's, not the torch path's: a runner runs every forward of such a model here
  * (prefills too) and the response cache's fingerprint names this source.
  */
 
@@ -33,7 +39,10 @@
 #include "tree_attention.c"
 #undef sd_abi_version
 
-int sd_abi_version(void) { return 1; }
+int sd_abi_version(void) { return 2; }
+
+enum { NORM_ROUNDED = 0, NORM_PLUS_ONE = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 #define ATTENTION_CHUNK 64 /* queries per attention call: a long prefill's scores stay small */
 #define PARALLEL_ROWS 16   /* row loops of fewer rows run on one thread */
@@ -51,21 +60,27 @@ typedef struct {
 } LayerProduct;
 
 typedef struct {
-    const void *attn_norm, *mlp_norm; /* [hidden] of the model's dtype */
+    const void *attn_norm, *mlp_norm;         /* [hidden] of the model's dtype */
+    const void *attn_out_norm, *mlp_out_norm; /* [hidden], or NULL: each branch's output normalized */
+    const void *q_norm, *k_norm;              /* [d], or NULL: each q and k head normalized before rope */
+    int32_t window;                           /* 0, or a sliding window: position p sees p - window + 1 .. p */
+    int32_t rope;                             /* the index of this layer's cos and sin tables */
     LayerProduct qkv, o, gate_up, down;
 } LayerWeights;
 
 typedef struct {
     int32_t dtype, layers, heads, kv_heads, d, hidden, intermediate, threads, sequences;
-    float eps, scale;
+    int32_t norm, activation; /* NORM_*, ACT_* */
+    float eps, scale, softcap; /* softcap: 0, or attention scores soft-capped at it */
     int64_t rows;
     QuantizedProduct product;
-    const LayerWeights *weights; /* [layers] */
-    const void *cos, *sin;       /* [rows, d] of the model's dtype: each row's rotation */
+    const LayerWeights *weights;          /* [layers] */
+    const void *const *cos, *const *sin; /* [tables] -> [rows, d] of the model's dtype: each row's rotation */
     const int64_t *starts, *counts, *lengths, *capacities; /* [sequences]: rows start .. start + count */
     const int32_t *const *contiguous;                       /* [sequences] -> [count] (the attention plan) */
     const int32_t *const *extra;                            /* [sequences] -> [count, max_extra[s]] */
     const int32_t *max_extra;                               /* [sequences] */
+    const int32_t *const *positions;                        /* [sequences] -> [count]: logical positions */
     void *const *keys, *const *values; /* [sequences * layers]: [kv_heads, capacity, d] of sequence s, layer l */
     void *kept;                        /* [slots, rows, hidden], or NULL */
     const int32_t *keep_slot;          /* [layers + 1]: where layer l's input goes in kept (-1: nowhere) */
@@ -124,40 +139,56 @@ static inline void store_row(void *p, int dtype, int64_t i, vf v, int count) {
 
 static inline int block(int64_t size, int64_t i) { return size - i < LANES ? (int)(size - i) : LANES; }
 
-static void rms_norm_row(const Forward *f, const void *x, const void *weight, void *out) {
-    const int dtype = f->dtype, hidden = f->hidden;
+static void norm_row(const Forward *f, int size, const void *x, const void *weight, void *out) {
+    const int dtype = f->dtype;
     vf lanes = splat(0.0f);
-    for (int i = 0; i < hidden; i += LANES) {
-        vf v = load_row(x, dtype, i, block(hidden, i)); /* zeros past the end add nothing */
+    for (int i = 0; i < size; i += LANES) {
+        vf v = load_row(x, dtype, i, block(size, i)); /* zeros past the end add nothing */
         lanes = lanes + v * v;
     }
     float fold[LANES];
     memcpy(fold, &lanes, sizeof fold);
     for (int width = LANES / 2; width >= 1; width /= 2)
         for (int l = 0; l < width; l++) fold[l] = fold[l] + fold[l + width];
-    vf r = splat(1.0f / sqrtf(fold[0] / (float)hidden + f->eps));
-    for (int i = 0; i < hidden; i += LANES) {
-        int count = block(hidden, i);
-        vf y = dt_round(load_row(x, dtype, i, count) * r, dtype);
-        store_row(out, dtype, i, load_row(weight, dtype, i, count) * y, count);
+    vf r = splat(1.0f / sqrtf(fold[0] / (float)size + f->eps));
+    for (int i = 0; i < size; i += LANES) {
+        int count = block(size, i);
+        vf w = load_row(weight, dtype, i, count), normed = load_row(x, dtype, i, count) * r;
+        if (f->norm == NORM_PLUS_ONE)
+            store_row(out, dtype, i, normed * (splat(1.0f) + w), count);
+        else
+            store_row(out, dtype, i, w * dt_round(normed, dtype), count);
     }
 }
 
-static void rms_norm_rows(const Forward *f, const void *x, const void *weight, void *out) {
+static void norm_rows(const Forward *f, const void *x, const void *weight, void *out) { /* in place is fine */
     const size_t row = (size_t)f->hidden * elem_size(f->dtype);
 #pragma omp parallel for num_threads(f->threads) if (f->threads > 1 && f->rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < f->rows; r++) rms_norm_row(f, (const char *)x + r * row, weight, (char *)out + r * row);
+    for (int64_t r = 0; r < f->rows; r++) norm_row(f, f->hidden, (const char *)x + r * row, weight, (char *)out + r * row);
+}
+
+/* the q and k heads of every row of qkv [rows, heads + 2 kv_heads, d], each normalized in place */
+static void head_norm_rows(const Forward *f, const LayerWeights *w, void *qkv) {
+    const int d = f->d, heads = f->heads, kv_heads = f->kv_heads;
+    const size_t item = elem_size(f->dtype), width = (size_t)(heads + 2 * kv_heads) * d;
+#pragma omp parallel for num_threads(f->threads) if (f->threads > 1 && f->rows >= PARALLEL_ROWS) schedule(static)
+    for (int64_t r = 0; r < f->rows; r++) {
+        for (int h = 0; h < heads + kv_heads; h++) {
+            char *head = (char *)qkv + ((size_t)r * width + (size_t)h * d) * item;
+            norm_row(f, d, head, h < heads ? w->q_norm : w->k_norm, head);
+        }
+    }
 }
 
 /* q and k heads of every row of qkv [rows, heads + 2 kv_heads, d], rotated in place */
-static void rope_rows(const Forward *f, void *qkv) {
+static void rope_rows(const Forward *f, int table, void *qkv) {
     const int dtype = f->dtype, d = f->d, half = d / 2, rotated = f->heads + f->kv_heads;
     const int64_t width = (int64_t)(f->heads + 2 * f->kv_heads) * d;
 #pragma omp parallel for num_threads(f->threads) if (f->threads > 1 && f->rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < f->rows; r++) {
         float x[MAX_DIM + LANES], rot[MAX_DIM + LANES];
-        const void *cos = (const char *)f->cos + (size_t)(r * d) * elem_size(dtype);
-        const void *sin = (const char *)f->sin + (size_t)(r * d) * elem_size(dtype);
+        const void *cos = (const char *)f->cos[table] + (size_t)(r * d) * elem_size(dtype);
+        const void *sin = (const char *)f->sin[table] + (size_t)(r * d) * elem_size(dtype);
         for (int h = 0; h < rotated; h++) {
             void *head = (char *)qkv + (size_t)(r * width + (int64_t)h * d) * elem_size(dtype);
             for (int t = 0; t < d; t += LANES) store_lanes(x + t, load_row(head, dtype, t, block(d, t)));
@@ -189,17 +220,29 @@ static void write_cache(const Forward *f, int layer, const void *qkv) {
     }
 }
 
+/* each query's first visible cache position under a sliding window (the earlier ones slid out) */
+static void window_starts(const Forward *f, int s, int64_t c0, int64_t n, int window, int32_t *first) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t start = f->positions[s][c0 + i] - window + 1, contiguous = f->contiguous[s][c0 + i];
+        first[i] = start < 0 ? 0 : start > contiguous ? contiguous : start;
+    }
+}
+
 static int attend_rows(const Forward *f, int layer, const void *qkv, void *out) {
-    const int d = f->d, heads = f->heads, kv_heads = f->kv_heads;
+    const int d = f->d, heads = f->heads, kv_heads = f->kv_heads, window = f->weights[layer].window;
     const size_t item = elem_size(f->dtype);
     const int64_t width = (int64_t)(heads + 2 * kv_heads) * d;
+    int32_t first[ATTENTION_CHUNK];
     for (int s = 0; s < f->sequences; s++) {
+        if (window > 0 && f->max_extra[s] >= window) return 4; /* a tree deeper than the window */
         for (int64_t c0 = 0; c0 < f->counts[s]; c0 += ATTENTION_CHUNK) {
             int64_t n = f->counts[s] - c0 < ATTENTION_CHUNK ? f->counts[s] - c0 : ATTENTION_CHUNK;
             int64_t row = f->starts[s] + c0;
+            if (window > 0) window_starts(f, s, c0, n, window, first);
             Args a = {f->dtype, heads, kv_heads, (int32_t)n, d, f->max_extra[s], f->threads, f->scale,
                       d, width, f->capacities[s] * d, d, (int64_t)heads * d,
-                      f->contiguous[s] + c0, f->extra[s] + c0 * f->max_extra[s]};
+                      f->contiguous[s] + c0, f->extra[s] + c0 * f->max_extra[s], window > 0 ? first : NULL,
+                      f->softcap};
             int status = sd_tree_attention(&a, (const char *)qkv + (size_t)(row * width) * item,
                                            f->keys[(int64_t)s * f->layers + layer],
                                            f->values[(int64_t)s * f->layers + layer],
@@ -218,9 +261,23 @@ static void add_rows(const Forward *f, void *x, const void *y) {
     }
 }
 
+static inline vf silu_lanes(vf g) {
+    vi positive = g >= splat(0.0f);
+    vf e = exp_lanes(select_lanes(positive, -g, g)); /* exp(-|g|) */
+    return g * select_lanes(positive, splat(1.0f) / (splat(1.0f) + e), e / (splat(1.0f) + e));
+}
+
+static inline vf gelu_tanh_lanes(vf g) {
+    vf u = splat(0.7978845608028654f) * (g + splat(0.044715f) * g * g * g);
+    vi positive = u >= splat(0.0f);
+    vf e = exp_lanes(splat(-2.0f) * select_lanes(positive, u, -u)); /* exp(-2 |u|) */
+    vf t = (splat(1.0f) - e) / (splat(1.0f) + e);                      /* tanh |u| */
+    return splat(0.5f) * g * (splat(1.0f) + select_lanes(positive, t, -t));
+}
+
 /* gate_up [rows, 2 * intermediate] -> out [rows, intermediate] */
-static void silu_mul_rows(const Forward *f, const void *gate_up, void *out) {
-    const int dtype = f->dtype, m = f->intermediate;
+static void act_mul_rows(const Forward *f, const void *gate_up, void *out) {
+    const int dtype = f->dtype, m = f->intermediate, gelu = f->activation == ACT_GELU_TANH;
 #pragma omp parallel for num_threads(f->threads) if (f->threads > 1 && f->rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < f->rows; r++) {
         const char *gate = (const char *)gate_up + (size_t)(r * 2 * m) * elem_size(dtype);
@@ -229,11 +286,8 @@ static void silu_mul_rows(const Forward *f, const void *gate_up, void *out) {
         for (int i = 0; i < m; i += LANES) {
             int count = block(m, i);
             vf g = load_row(gate, dtype, i, count);
-            vi positive = g >= splat(0.0f);
-            vf e = exp_lanes(select_lanes(positive, -g, g)); /* exp(-|g|) */
-            vf s = select_lanes(positive, splat(1.0f) / (splat(1.0f) + e), e / (splat(1.0f) + e));
-            vf silu = dt_round(g * s, dtype);
-            store_row(o, dtype, i, silu * load_row(up, dtype, i, count), count);
+            vf act = dt_round(gelu ? gelu_tanh_lanes(g) : silu_lanes(g), dtype);
+            store_row(o, dtype, i, act * load_row(up, dtype, i, count), count);
         }
     }
 }
@@ -254,7 +308,8 @@ static void keep(const Forward *f, int slot_of, const void *x) {
  * 0, or a positive number for arguments it does not take or memory it could not have */
 int sd_int8_decoder(const Forward *f, void *x) {
     if ((f->dtype != DTYPE_F32 && f->dtype != DTYPE_BF16) || f->rows <= 0 || f->d > MAX_DIM || f->d % 2 ||
-        f->heads % f->kv_heads)
+        f->heads % f->kv_heads || (f->norm != NORM_ROUNDED && f->norm != NORM_PLUS_ONE) ||
+        (f->activation != ACT_SILU && f->activation != ACT_GELU_TANH))
         return 1;
     int64_t total = 0;
     for (int s = 0; s < f->sequences; s++) total += f->counts[s];
@@ -268,17 +323,20 @@ int sd_int8_decoder(const Forward *f, void *x) {
     for (int l = 0; l < f->layers && !status; l++) {
         const LayerWeights *w = f->weights + l;
         keep(f, l, x);
-        rms_norm_rows(f, x, w->attn_norm, h);
+        norm_rows(f, x, w->attn_norm, h);
         if ((status = product(f, &w->qkv, h, qkv))) break;
-        rope_rows(f, qkv);
+        if (w->q_norm) head_norm_rows(f, w, qkv);
+        rope_rows(f, w->rope, qkv);
         write_cache(f, l, qkv);
         if ((status = attend_rows(f, l, qkv, a))) break;
         if ((status = product(f, &w->o, a, y))) break;
+        if (w->attn_out_norm) norm_rows(f, y, w->attn_out_norm, y);
         add_rows(f, x, y);
-        rms_norm_rows(f, x, w->mlp_norm, h);
+        norm_rows(f, x, w->mlp_norm, h);
         if ((status = product(f, &w->gate_up, h, gu))) break;
-        silu_mul_rows(f, gu, act);
+        act_mul_rows(f, gu, act);
         if ((status = product(f, &w->down, act, y))) break;
+        if (w->mlp_out_norm) norm_rows(f, y, w->mlp_out_norm, y);
         add_rows(f, x, y);
     }
     if (!status) keep(f, f->layers, x);

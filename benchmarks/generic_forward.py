@@ -1,0 +1,127 @@
+"""The generic runner (runners/fast_transformers.py) on a real model, in each precision, one
+process, the runners interleaved.
+
+For the target (Gemma-3-270M by default) on FastTransformersRunner: bfloat16, w8a8 with the
+layers on torch operations (`w8a8, torch layers`: as without gcc) and w8a8 with the layers in one C
+call (`w8a8, C layers`, where its recipe covers the architecture):
+- the median time of a forward over 1, 5, 8 and 16 new tokens after --prefix cached tokens, the
+  runners alternated every repeat, and each one's ratio to its own one-token forward;
+- the output head alone over 1 and 5 rows (weights warm in cache);
+- perplexity of the first --tokens tokens of docs/design.md (the project's own text), in chunks
+  of 256 tokens, and float32's too: the cost of each precision against the checkpoint's own.
+
+    .venv/bin/python benchmarks/generic_forward.py [--target gemma3-270m] [--repeats 15] [--prefix 200]
+        [--tokens 1024] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.bench.scripts import script_parser, write_table
+from specdecode.bench.tables import markdown_table
+from specdecode.loading import load_model
+from specdecode.runners import int8_layer
+from specdecode.runners.fast_transformers import FastTransformersRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT / "docs" / "design.md"
+SIZES = (1, 5, 8, 16)
+CHUNK = 256
+
+
+def runners(target: str) -> dict[str, FastTransformersRunner]:
+    model, _ = load_model(target, dtype="bfloat16")
+    with mock.patch.object(int8_layer, "load", lambda: None):  # the torch path, as without gcc
+        torch_layers = FastTransformersRunner(model, "w8a8")
+    built = {
+        "bfloat16": FastTransformersRunner(model),
+        "w8a8, torch layers": torch_layers,
+        "w8a8, C layers": FastTransformersRunner(model, "w8a8"),
+    }
+    if built["w8a8, C layers"].layer_kernel is None:
+        del built["w8a8, C layers"]  # no C recipe for this architecture, or no gcc
+    return built
+
+
+def forward_ms(runners: dict[str, FastTransformersRunner], prefix: torch.Tensor, repeats: int) -> dict:
+    """Median ms of each runner's forward over n new tokens after the prefix, the runners
+    alternated (the first pass warms up, untimed)."""
+    times: dict = {(name, n): [] for name in runners for n in SIZES}
+    new = torch.arange(100, 100 + max(SIZES))
+    for repeat in range(repeats + 1):
+        for name in list(runners) if repeat % 2 else list(runners)[::-1]:
+            runner = runners[name]
+            runner.reset()
+            runner.forward(prefix, 1)
+            for n in SIZES:
+                runner.crop(len(prefix))
+                start = time.perf_counter()
+                runner.forward(new[:n], n)
+                if repeat:
+                    times[(name, n)].append(time.perf_counter() - start)
+    return {key: statistics.median(values) * 1e3 for key, values in times.items()}
+
+
+def head_ms(runner: FastTransformersRunner, rows: int, repeats: int) -> float:
+    x = torch.randn(rows, runner.model.config.hidden_size).to(runner.dtype)
+    runner.lm_head(x)
+    laps = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.lm_head(x)
+        laps.append(time.perf_counter() - start)
+    return statistics.median(laps) * 1e3
+
+
+def perplexity(runner: FastTransformersRunner, ids: torch.Tensor) -> float:
+    """exp(mean NLL of ids[1:]), prefilled in chunks (a 262k vocabulary's logits are large)."""
+    runner.reset()
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, CHUNK):
+        chunk = ids[start : min(start + CHUNK, len(ids) - 1)]
+        logits = runner.forward(chunk, len(chunk))
+        targets = ids[start + 1 : start + 1 + len(chunk)]
+        nll += float(F.cross_entropy(logits.double(), targets, reduction="sum"))
+        count += len(chunk)
+    return math.exp(nll / count)
+
+
+def main() -> None:
+    parser = script_parser(__doc__, target="gemma3-270m", repeats=15)
+    parser.add_argument("--prefix", type=int, default=200, help="cached tokens before a timed forward")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of text to score")
+    args = parser.parse_args()
+    prefix_length, tokens = args.prefix, args.tokens
+    built = runners(args.target)
+    _, tokenizer = load_model(args.target, dtype="bfloat16")
+    ids = torch.tensor(tokenizer(TEXT.read_text())["input_ids"][:tokens])
+    times = forward_ms(built, ids[:prefix_length], args.repeats)
+    float32 = FastTransformersRunner(load_model(args.target, dtype="float32")[0])
+    reference = perplexity(float32, ids)
+    rows = [["float32", "", "", "", "", "", "", f"{reference:.3f}", ""]]
+    for name, runner in built.items():
+        one = times[(name, 1)]
+        ratios = [f"{times[(name, n)]:.1f} ({times[(name, n)] / one:.2f}x)" for n in SIZES[1:]]
+        heads = [f"{head_ms(runner, n, args.repeats):.2f}" for n in (1, 5)]
+        ppl = perplexity(runner, ids)
+        rows.append([name, f"{one:.1f}", *ratios, *heads, f"{ppl:.3f}", f"{(ppl / reference - 1) * 100:+.2f}%"])
+    header = ["runner", "1 token ms", "5 tokens ms", "8 tokens ms", "16 tokens ms", "head 1 row ms"]
+    header += ["head 5 rows ms", f"perplexity ({len(ids)} tokens)", "vs float32"]
+    note = (
+        f"{args.target} on FastTransformersRunner, {torch.get_num_threads()} threads, forwards after "
+        f"{prefix_length} cached tokens (median of {args.repeats}, runners alternated); perplexity of "
+        f"the first {len(ids)} tokens of docs/design.md"
+    )
+    write_table(f"{note}\n\n{markdown_table(header, rows)}", args.out)
+
+
+if __name__ == "__main__":
+    main()
