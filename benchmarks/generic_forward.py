@@ -9,9 +9,11 @@ call (`w8a8, C layers`, where its recipe covers the architecture):
 - the output head alone over 1 and 5 rows (weights warm in cache);
 - perplexity of the first --tokens tokens of docs/design.md (the project's own text), in chunks
   of 256 tokens, and float32's too: the cost of each precision against the checkpoint's own.
+With --hand-written (a Llama-family target), the hand-written FastLlamaRunner in bfloat16 and
+w8a8 joins them: the runner `auto` picks for those models, against the generic one.
 
     .venv/bin/python benchmarks/generic_forward.py [--target gemma3-270m] [--repeats 15] [--prefix 200]
-        [--tokens 1024] [--out FILE]
+        [--tokens 1024] [--hand-written] [--out FILE]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from specdecode.bench.scripts import script_parser, write_table
 from specdecode.bench.tables import markdown_table
 from specdecode.loading import load_model
 from specdecode.runners import int8_layer
+from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.fast_transformers import FastTransformersRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +40,7 @@ SIZES = (1, 5, 8, 16)
 CHUNK = 256
 
 
-def runners(target: str) -> dict[str, FastTransformersRunner]:
+def runners(target: str, hand_written: bool) -> dict:
     model, _ = load_model(target, dtype="bfloat16")
     with mock.patch.object(int8_layer, "load", lambda: None):  # the torch path, as without gcc
         torch_layers = FastTransformersRunner(model, "w8a8")
@@ -48,10 +51,15 @@ def runners(target: str) -> dict[str, FastTransformersRunner]:
     }
     if built["w8a8, C layers"].layer_kernel is None:
         del built["w8a8, C layers"]  # no C recipe for this architecture, or no gcc
+    if hand_written:
+        built |= {
+            "FastLlamaRunner bfloat16": FastLlamaRunner(model),
+            "FastLlamaRunner w8a8": FastLlamaRunner(model, "w8a8"),
+        }
     return built
 
 
-def forward_ms(runners: dict[str, FastTransformersRunner], prefix: torch.Tensor, repeats: int) -> dict:
+def forward_ms(runners: dict, prefix: torch.Tensor, repeats: int) -> dict:
     """Median ms of each runner's forward over n new tokens after the prefix, the runners
     alternated (the first pass warms up, untimed)."""
     times: dict = {(name, n): [] for name in runners for n in SIZES}
@@ -70,7 +78,7 @@ def forward_ms(runners: dict[str, FastTransformersRunner], prefix: torch.Tensor,
     return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
-def head_ms(runner: FastTransformersRunner, rows: int, repeats: int) -> float:
+def head_ms(runner, rows: int, repeats: int) -> float:
     x = torch.randn(rows, runner.model.config.hidden_size).to(runner.dtype)
     runner.lm_head(x)
     laps = []
@@ -81,7 +89,7 @@ def head_ms(runner: FastTransformersRunner, rows: int, repeats: int) -> float:
     return statistics.median(laps) * 1e3
 
 
-def perplexity(runner: FastTransformersRunner, ids: torch.Tensor) -> float:
+def perplexity(runner, ids: torch.Tensor) -> float:
     """exp(mean NLL of ids[1:]), prefilled in chunks (a 262k vocabulary's logits are large)."""
     runner.reset()
     nll, count = 0.0, 0
@@ -98,9 +106,10 @@ def main() -> None:
     parser = script_parser(__doc__, target="gemma3-270m", repeats=15)
     parser.add_argument("--prefix", type=int, default=200, help="cached tokens before a timed forward")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of text to score")
+    parser.add_argument("--hand-written", action="store_true", help="also time FastLlamaRunner (Llama family)")
     args = parser.parse_args()
     prefix_length, tokens = args.prefix, args.tokens
-    built = runners(args.target)
+    built = runners(args.target, args.hand_written)
     _, tokenizer = load_model(args.target, dtype="bfloat16")
     ids = torch.tensor(tokenizer(TEXT.read_text())["input_ids"][:tokens])
     times = forward_ms(built, ids[:prefix_length], args.repeats)
@@ -116,7 +125,7 @@ def main() -> None:
     header = ["runner", "1 token ms", "5 tokens ms", "8 tokens ms", "16 tokens ms", "head 1 row ms"]
     header += ["head 5 rows ms", f"perplexity ({len(ids)} tokens)", "vs float32"]
     note = (
-        f"{args.target} on FastTransformersRunner, {torch.get_num_threads()} threads, forwards after "
+        f"{args.target} on FastTransformersRunner unless named, {torch.get_num_threads()} threads, forwards after "
         f"{prefix_length} cached tokens (median of {args.repeats}, runners alternated); perplexity of "
         f"the first {len(ids)} tokens of docs/design.md"
     )

@@ -66,7 +66,7 @@ ARCHITECTURES = {
     "gpt_neox": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig, dict(num_key_value_heads=4)),  # no grouped queries
 }
 needs_bf16_cpu = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="measured on CPUs with AVX512-BF16")
-C_ARCHITECTURES = ["qwen3", "gemma2", "gemma3"]  # C_RECIPES' model types among the tested ones
+C_ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]  # C_RECIPES' model types
 needs_c_layers = pytest.mark.skipif(
     not projection.int8_supported() or projection.own_kernel() is None or int8_layer.load() is None,
     reason="no own w8a8 product or no gcc here",

@@ -14,7 +14,7 @@ so the model itself runs as before) and, in the shadow:
 - the output head runs only on the rows whose logits are wanted.
 
 With `w8a8`, architectures whose layers follow one of the C decoder's recipes (`C_RECIPES`:
-Qwen3, Gemma 2, Gemma 3) run every decoder layer of a forward in one C call instead
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) run every decoder layer of a forward in one C call instead
 (int8_layer.py: the Python and dispatch around ~20 modules a layer are most of a small model's
 forward); the embeddings, rotary tables, final norm and head stay transformers' and the runner's.
 
@@ -54,9 +54,13 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # architectures whose layers do more than attention and an MLP of linear layers per token (state
 # spaces, recurrent or linear attention, routed experts): their own code, or other bits per batch
 UNSUPPORTED_MODEL_TYPES = frozenset({"gemma3n", "qwen3_next", "lfm2", "falcon_h1", "jamba", "bamba", "zamba"})
-# model types whose layers the C decoder computes (csrc/int8_layer.c's recipes): their norm, and
-# whether their attention soft-caps its scores (the activation is read from the config)
-C_RECIPES = {"qwen3": ("rounded", False), "gemma2": ("plus-one", True), "gemma3_text": ("plus-one", False)}
+# model types whose layers the C decoder computes (csrc/int8_layer.c's recipes) -> their norm; the
+# activation is read from the config, and each layer's attention parameters (scale, sliding window,
+# soft-capping) from what its own code passes to the attention interface (`_attention_arguments`)
+C_RECIPES = {
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3"), "rounded"),
+    **dict.fromkeys(("gemma2", "gemma3_text"), "plus-one"),
+}
 C_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu-tanh"}  # transformers' name -> the C file's
 
 
@@ -201,6 +205,17 @@ class _Forward:
         return s.bound[key]
 
 
+class _Probe:
+    """In place of _Forward: records what each layer passes to the attention interface."""
+
+    def __init__(self):
+        self.calls: dict[int, tuple[float, int, float]] = {}
+
+    def attend(self, layer, q, k, v, scale, window, softcap) -> torch.Tensor:  # q: [1, heads, total, d]
+        self.calls[layer] = (float(scale), int(window or 0), float(softcap or 0.0))
+        return torch.zeros(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
+
+
 def _attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface, on the runner's cache and kernel (kwargs carry the
     forward's _Forward as `specdecode_forward`)."""
@@ -322,21 +337,26 @@ class FastTransformersRunner(StaticCacheRunner):
             return None
         rotary = self.decoder.rotary_emb
         self._rope_types = sorted(set(config.layer_types)) if _takes_layer_type(rotary) else [None]
-        c_layers = [self._c_layer(i, layer) for i, layer in enumerate(layers)]
-        attention = [layer.self_attn for layer in layers]
-        scales = {float(a.scaling) for a in attention}
-        softcaps = {float(getattr(a, "attn_logit_softcapping", None) or 0.0) if recipe[1] else 0.0 for a in attention}
+        arguments = self._attention_arguments()
+        c_layers = [self._c_layer(i, layer, arguments[i][1]) for i, layer in enumerate(layers)]
+        scales, softcaps = {scale for scale, _, _ in arguments}, {softcap for _, _, softcap in arguments}
         products = [p for layer in c_layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if len(scales) != 1 or len(softcaps) != 1 or any(p.compensation is None for p in products):
             return None
-        norm_recipe = int8_layer.Recipe(recipe[0], activation, scales.pop(), softcaps.pop())
         self.products += products
-        heads = config.num_attention_heads
-        return kernel.bind(
-            c_layers, self.dtype, heads, self.num_kv_heads, self.head_dim, config.rms_norm_eps, norm_recipe
-        )
+        heads, eps = config.num_attention_heads, config.rms_norm_eps
+        c_recipe = int8_layer.Recipe(recipe, activation, scales.pop(), softcaps.pop())
+        return kernel.bind(c_layers, self.dtype, heads, self.num_kv_heads, self.head_dim, eps, c_recipe)
 
-    def _c_layer(self, index: int, layer: nn.Module) -> int8_layer.Layer:
+    def _attention_arguments(self) -> list[tuple[float, int, float]]:
+        """Per layer, the (scale, sliding window or 0, soft-cap or 0) its code passes to the
+        attention interface, recorded in a one-token forward of the shadow."""
+        probe = _Probe()
+        with torch.inference_mode():
+            self.decoder(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False, specdecode_forward=probe)
+        return [probe.calls[i] for i in range(len(self.decoder.layers))]
+
+    def _c_layer(self, index: int, layer: nn.Module, window: int) -> int8_layer.Layer:
         attention, mlp = layer.self_attn, layer.mlp
         sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: both branches' outputs normalized
         layer_type = self.model.config.layer_types[index] if self._rope_types != [None] else None
@@ -355,7 +375,7 @@ class FastTransformersRunner(StaticCacheRunner):
             mlp_out_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
             q_norm=weight(getattr(attention, "q_norm", None)),
             k_norm=weight(getattr(attention, "k_norm", None)),
-            window=getattr(attention, "sliding_window", None) or 0,
+            window=window,
             rope=self._rope_types.index(layer_type),
         )
 
