@@ -9,11 +9,13 @@ call (`w8a8, C layers`, where its recipe covers the architecture):
 - the output head alone over 1 and 5 rows (weights warm in cache);
 - perplexity of the first --tokens tokens of docs/design.md (the project's own text), in chunks
   of 256 tokens, and float32's too: the cost of each precision against the checkpoint's own.
+With --perturbed N, the last runner's perplexity again after each of N changes of one unit in the
+last place to a random 1% of the input embedding's entries: how far rounding alone moves it.
 With --hand-written (a Llama-family target), the hand-written FastLlamaRunner in bfloat16 and
 w8a8 joins them: the runner `auto` picks for those models, against the generic one.
 
     .venv/bin/python benchmarks/generic_forward.py [--target gemma3-270m] [--repeats 15] [--prefix 200]
-        [--tokens 1024] [--hand-written] [--out FILE]
+        [--tokens 1024] [--perturbed 3] [--hand-written] [--out FILE]
 """
 
 from __future__ import annotations
@@ -102,10 +104,28 @@ def perplexity(runner, ids: torch.Tensor) -> float:
     return math.exp(nll / count)
 
 
+def perturbed_perplexities(runner, ids: torch.Tensor, times: int) -> list[float]:
+    embedding = runner.model.get_input_embeddings().weight
+    original = embedding.detach().clone()
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[original.dtype]
+    values = []
+    try:
+        for seed in range(times):
+            chosen = torch.rand(original.shape, generator=torch.Generator().manual_seed(seed)) < 0.01
+            with torch.no_grad():
+                embedding.copy_((original.view(bits) + chosen.to(bits)).view(original.dtype))
+            values.append(perplexity(runner, ids))
+    finally:
+        with torch.no_grad():
+            embedding.copy_(original)
+    return values
+
+
 def main() -> None:
     parser = script_parser(__doc__, target="gemma3-270m", repeats=15)
     parser.add_argument("--prefix", type=int, default=200, help="cached tokens before a timed forward")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of text to score")
+    parser.add_argument("--perturbed", type=int, default=3, help="perplexities after rounding-sized changes")
     parser.add_argument("--hand-written", action="store_true", help="also time FastLlamaRunner (Llama family)")
     args = parser.parse_args()
     prefix_length, tokens = args.prefix, args.tokens
@@ -129,6 +149,12 @@ def main() -> None:
         f"{prefix_length} cached tokens (median of {args.repeats}, runners alternated); perplexity of "
         f"the first {len(ids)} tokens of docs/design.md"
     )
+    name, last = list(built.items())[-1]
+    perturbed = [f"{value:.3f}" for value in perturbed_perplexities(last, ids, args.perturbed)]
+    if perturbed:
+        note += (
+            f"\n\n{name}, after each of {len(perturbed)} one-ulp changes to 1% of the embedding: {', '.join(perturbed)}"
+        )
     write_table(f"{note}\n\n{markdown_table(header, rows)}", args.out)
 
 
