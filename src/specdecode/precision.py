@@ -95,6 +95,16 @@ OLDER_SPELLINGS = {
 }
 
 
+# --dtype auto gives up at most about 1.5% of perplexity against bfloat16 for speed: w8a8 on the
+# Llama runner costs +0.8% on 2,048 tokens of docs/design.md and +1.4% on Spec-Bench summarization
+# (docs/quantization.md, with the commands); on the generic runner, without smoothing, about
+# +3.5% on Gemma-3-270M (docs/benchmarks.md), so auto leaves that in float
+AUTO_W8A8_NOTE = (
+    "--dtype auto: the fastest exact path on this CPU, +0.8% perplexity against bfloat16 as measured "
+    "on SmolLM2; --dtype bfloat16 runs the checkpoint's own arithmetic"
+)
+
+
 @dataclass(frozen=True)
 class Circumstances:
     """What `--dtype auto` decides on besides the request (runners.select.resolve_precision reads
@@ -103,6 +113,9 @@ class Circumstances:
     device: torch.device = torch.device("cpu")
     native_bfloat16: bool = False  # AVX512-BF16 or AMX, and oneDNN's bfloat16 products
     fast_path: bool = False  # a fast runner will run the model (one supports it; not --runner transformers)
+    # w8a8 with its measured recipe will run the model here: the hand-written Llama runner's (its
+    # cost measured within AUTO_W8A8_BUDGET) on a CPU that runs the own int8 kernel
+    w8a8_by_default: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,19 +219,23 @@ def resolve(
     where: Circumstances = Circumstances(),
     option: str = TARGET,
 ) -> Precision:
-    """The precision a request names, decided once. "auto" is the fastest dtype in which
-    speculation is shown exact here: bfloat16 on a CPU that multiplies it natively
+    """The precision a request names, decided once. "auto" is the fastest precision in which
+    speculation is shown exact here, within about 1.5% of perplexity: `w8a8` where its
+    measured recipe runs the model on a CPU that runs its kernels (where.w8a8_by_default), in the
+    dtype below for what stays in float. The dtype: bfloat16 on a CPU that multiplies it natively
     (where.native_bfloat16) for a model a fast path runs (where.fast_path; its verifications and
     batches give each token its one-token bits there); and for 4-bit bitsandbytes targets there
     (their layers compute in bfloat16 anyway; runners/rowwise.py makes their verification
     exact). float32 everywhere else: transformers' runner, LLM.int8 and CUDA are not shown exact
     in half precision (benchmarks/gpu_exactness.py checks it), and a CPU without those
-    instructions runs bfloat16 slower than float32. A quantization keeps auto's choice for what
-    stays in float; auto itself never quantizes."""
+    instructions runs bfloat16 slower than float32. A named dtype is the checkpoint's own
+    arithmetic in it: nothing quantized that the request does not name."""
     named = quantization_named(quantization, option)
     chosen = dtype_named(dtype)
     if chosen is not None:
         return Precision(chosen.dtype, named)
+    if named is None and option == TARGET and where.w8a8_by_default:
+        named = W8A8
     return Precision(_auto_dtype(named, where), named, chosen=True)
 
 

@@ -24,7 +24,6 @@ from specdecode.bench.summary import summarize
 from specdecode.bench.systems import ENGINE, HF, LLAMACPP, SystemSpec, plan_systems
 from specdecode.bench.theory import expected_tokens_per_step, per_token_acceptance, predicted_speedup
 from specdecode.cli import app
-from specdecode.cpu import cpu_flags
 
 runner = CliRunner()
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -68,6 +67,9 @@ def greedy_run(tiny_model_dir, prompt_file, tmp_path_factory):
             "2,3",
             "--max-new-tokens",
             "12",
+            # in float32, transformers' generate's own precision (--dtype auto may choose w8a8)
+            "--dtype",
+            "float32",
             "--output-dir",
             str(folder),
         ],
@@ -92,9 +94,7 @@ def test_bench_writes_results_report_and_plots(greedy_run):
     assert {p["category"] for p in results["prompts"]} == {"repeat", "free", "custom"}
     environment = results["environment"]
     assert environment["versions"]["torch"] and environment["versions"]["transformers"]
-    # --dtype auto: bfloat16 where this CPU multiplies it natively (the tiny Llama has a fast path)
-    auto = "bfloat16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "float32"
-    assert environment["dtype"] == auto and environment["torch_threads"] >= 1
+    assert environment["dtype"] == "float32" and environment["torch_threads"] >= 1
     assert set(results["forward_costs"]["target_s"]) == {"1", "3", "4"}  # 1 token, and k + 1 for k = 2, 3
     assert set(results["forward_costs"]["draft_s"]["specdecode prompt-lookup"]) == {"2", "3"}
     assert all(m["new_tokens"] >= 1 and m["wall_time_s"] > 0 for m in results["measurements"])
@@ -152,6 +152,7 @@ def test_draft_model_runs_against_transformers_assisted_generation(tiny_model_di
         k_values=[3],
         prompts=prompt_file,
         max_new_tokens=16,
+        dtype="float32",  # transformers' assisted generation's precision (--dtype auto may choose w8a8)
         output_dir=str(tmp_path),
     )
     console_output = io.StringIO()

@@ -185,6 +185,7 @@ def test_without_llama_cpp_python_the_bench_says_so_in_one_line_and_runs_the_res
 ):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now fails, as if not installed
     args = ["bench", "--target", tiny_model_dir, "--prompts", one_prompt, "--max-new-tokens", "4", "-k", "2"]
+    args += ["--dtype", "float32"]  # unquantized on every CPU: the system names below
     result = runner.invoke(app, [*args, "--system", "llama.cpp+lookup", "--output-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert result.stderr.count(NOT_INSTALLED) == 1

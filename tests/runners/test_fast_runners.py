@@ -375,11 +375,45 @@ def test_auto_dtype_is_bfloat16_only_where_a_fast_path_makes_it_exact_and_fast(m
     assert auto_dtype(llama, cpu, "auto", None) == torch.float32
 
 
-def test_from_pretrained_names_the_dtype_auto_chose(tiny_model_dir):
+def test_auto_chooses_w8a8_only_where_its_measured_recipe_and_kernels_run(monkeypatch):
+    """--dtype auto quantizes to w8a8 where the Llama runner runs the model (its recipe's cost
+    measured within the budget) on a CPU with the own int8 kernel; nowhere else, and never
+    under a named dtype, a named quantization or for a draft."""
+    from specdecode import precision
+    from specdecode.runners import select
+
+    def auto(config, runner="auto", dtype="auto", named=None, option=precision.TARGET, device="cpu"):
+        return precision.resolve(dtype, named, select.circumstances(config, torch.device(device), runner), option)
+
+    llama = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4)
+    monkeypatch.setattr(select, "own_kernel", lambda: object())  # as where a vectorized build runs
+    assert auto(llama).quantization is precision.W8A8 and auto(llama).chosen
+    assert auto(llama, runner="fast").quantization is precision.W8A8
+    assert auto(llama, dtype="bfloat16").quantization is None  # the checkpoint's own arithmetic
+    assert auto(llama, dtype="float32").quantization is None
+    assert auto(llama, named="nf4").quantization is precision.NF4
+    assert auto(llama, option=precision.DRAFT).quantization is None
+    assert auto(llama, runner="transformers").quantization is None
+    assert auto(llama, device="cuda").quantization is None
+    gelu = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, hidden_act="gelu")
+    assert auto(gelu).quantization is None  # the generic runner: its plain w8a8 costs more
+    monkeypatch.setattr(select, "own_kernel", lambda: None)  # no vectorized build of the int8 kernel
+    assert auto(llama).quantization is None
+
+
+def test_from_pretrained_names_the_precision_auto_chose(tiny_model_dir):
+    from specdecode import precision
+    from specdecode.runners.projection import own_kernel
+
     engine = SpeculativeEngine.from_pretrained(tiny_model_dir, drafter="none")
     chosen = str(engine.target_runner.dtype).removeprefix("torch.")
-    assert engine.precision == f"{chosen} (--dtype auto)"
-    assert SpeculativeEngine.from_pretrained(tiny_model_dir, dtype="float32", drafter="none").precision == "float32"
+    if own_kernel() is not None:  # w8a8, with its measured cost and the flag that leaves it
+        assert engine.quantization is precision.W8A8 and engine.precision.startswith("w8a8")
+        assert f"{chosen} elsewhere ({precision.AUTO_W8A8_NOTE})" in engine.precision
+    else:
+        assert engine.quantization is None and engine.precision == f"{chosen} (--dtype auto)"
+    explicit = SpeculativeEngine.from_pretrained(tiny_model_dir, dtype="float32", drafter="none")
+    assert explicit.precision == "float32" and explicit.quantization is None
 
 
 def test_kept_hidden_states_are_transformers_hidden_states():

@@ -65,7 +65,9 @@ def run_benchmark(config: BenchConfig, console: Console | None = None) -> BenchR
     with console.status(f"Loading {', '.join((config.target, *config.drafts))}"):
         engine, draft_models = load_models(config)
     prompts, prompt_ids, skipped = encode_prompts(engine, prompts, config)
-    specs = plan_systems(config.active_drafters, config.drafts, config.k_values, llamacpp, config.quantization)
+    # the engine's quantization as it resolved: named, or --dtype auto's choice (w8a8 where it runs)
+    quantization = config.quantization or (engine.quantization.name if engine.quantization else None)
+    specs = plan_systems(config.active_drafters, config.drafts, config.k_values, llamacpp, quantization)
     with console.status("Starting llama.cpp" if llamacpp else "Preparing the systems"):
         systems = build_systems(specs, engine, draft_models, gguf, llamacpp_context(prompt_ids, config))
     try:

@@ -43,8 +43,9 @@ DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
 DtypeOption = Annotated[
     str,
     typer.Option(
-        help="auto (bfloat16 where the CPU multiplies it natively and a fast path makes it exact, "
-        "else float32), float32, bfloat16 or float16."
+        help="auto (w8a8 where the Llama-family fast runner and this CPU's int8 kernel run it, +0.8% "
+        "perplexity; in float, bfloat16 where the CPU multiplies it natively and a fast path makes it "
+        "exact, else float32), float32, bfloat16 or float16 (the checkpoint's own arithmetic)."
     ),
 ]
 MaxModelLenOption = Annotated[

@@ -168,6 +168,7 @@ def serve(
         server_app = app_from_config(config, engine, start_worker=False, faults=faults)
     sizes = f"max_model_len {engine.max_model_len}, up to {server_app.state.worker.decoder.capacity} requests at once"
     stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes}; {config.key_note})", soft_wrap=True)
+    stderr.print(f"target precision: {engine.precision}", soft_wrap=True)
     with user_errors():
         run_server(server_app, config.host, config.port)
 

@@ -16,7 +16,7 @@ from specdecode.runners.base import ModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.fast_transformers import FastTransformersRunner
 from specdecode.runners.hf import HFModelRunner
-from specdecode.runners.projection import onednn_supports
+from specdecode.runners.projection import int8_supported, onednn_supports, own_kernel
 
 RUNNERS = ("auto", "fast", "transformers")
 
@@ -115,7 +115,9 @@ def circumstances(config: PretrainedConfig, device: torch.device, runner: str) -
     native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and onednn_supports(torch.bfloat16)
     # the hand-written runners' supports() read the config alone; the generic one, the model class's
     shape = SimpleNamespace(config=config)
-    fast = runner != "transformers" and (
-        fast_llama.supports(shape) or fast_gpt2.supports(shape) or fast_transformers.supports_config(config)
+    llama = runner != "transformers" and fast_llama.supports(shape)
+    fast = llama or (
+        runner != "transformers" and (fast_gpt2.supports(shape) or fast_transformers.supports_config(config))
     )
-    return precision.Circumstances(device, native_bfloat16=native, fast_path=fast)
+    w8a8 = llama and device.type == "cpu" and int8_supported() and own_kernel() is not None
+    return precision.Circumstances(device, native_bfloat16=native, fast_path=fast, w8a8_by_default=w8a8)
