@@ -197,3 +197,23 @@ def test_without_llama_cpp_python_the_bench_says_so_in_one_line_and_runs_the_res
         "specdecode target-only",
         "specdecode prompt-lookup k=2",
     ]
+
+
+@needs_llamacpp
+def test_generate_compare_puts_llama_cpp_beside_where_it_is_installed(monkeypatch):
+    """`make run`'s side-by-side: the engine against llama.cpp's plain decoding of the target's own
+    .gguf, on the same prompt ids, with the ratios; a sampled run and a missing llama.cpp leave it out."""
+    args = ["generate", PROMPT, "--max-new-tokens", "8", "--compare", "--no-chat"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    compare = json.loads(result.stdout)["compare"]
+    assert compare["llama_cpp_tokens_per_second"] > 0 and compare["identical_output"]
+    text = runner.invoke(app, args)
+    assert text.exit_code == 0, text.output
+    last = text.stdout.strip().splitlines()[-1]
+    assert last.startswith("[llama.cpp, plain decoding of the same .gguf ") and "x llama.cpp]" in last
+    sampled = runner.invoke(app, [*args, "--json", "--temperature", "0.7", "--seed", "1"])
+    assert "llama_cpp_tokens_per_second" not in json.loads(sampled.stdout)["compare"]  # greedy only
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+    without = runner.invoke(app, [*args, "--json"])
+    assert without.exit_code == 0 and "llama_cpp_tokens_per_second" not in json.loads(without.stdout)["compare"]

@@ -1,5 +1,6 @@
 """`specdecode generate`: one prompt, its continuation and stats; with --compare, target-only
-decoding timed beside it."""
+decoding timed beside it, and llama.cpp's plain decoding of the target's .gguf where
+llama-cpp-python is installed (greedy)."""
 
 from __future__ import annotations
 
@@ -134,10 +135,17 @@ def generate(
         options = dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, chat=use_chat
         )
-        if not compare:
-            result = engine.generate(prompt, seed=seed, **options)[0]
-        else:
-            baseline, result = _timed_runs(engine, prompt, seed, options)
+        llamacpp = None
+        if compare and temperature == 0:
+            llamacpp = _llamacpp_beside(target, engine, engine.prompt_token_ids(prompt, use_chat), max_new_tokens)
+        try:
+            if not compare:
+                result = engine.generate(prompt, seed=seed, **options)[0]
+            else:
+                baseline, result, llamacpp_speed = _timed_runs(engine, prompt, seed, options, llamacpp)
+        finally:
+            if llamacpp is not None:
+                llamacpp.close()
 
     output = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}
     output["stats"] = result.stats.to_dict()
@@ -145,22 +153,60 @@ def generate(
     if compare:
         output["compare"] = _comparison(result, baseline, greedy=temperature == 0)
         lines.append(_comparison_line(output["compare"]))
+        if llamacpp_speed is not None:
+            output["compare"]["llama_cpp_tokens_per_second"] = llamacpp_speed
+            lines.append(_llamacpp_line(output["compare"]))
     if json_output:
         print(json.dumps(output))
     else:
         print("\n".join(lines))
 
 
-def _timed_runs(engine, prompt: str, seed: int | None, options: dict) -> tuple:
-    """--compare: the median target-only and speculative runs of the prompt."""
+def _timed_runs(engine, prompt: str, seed: int | None, options: dict, llamacpp) -> tuple:
+    """--compare: the median target-only and speculative runs of the prompt, and llama.cpp's
+    median tokens/s on the same prompt ids where it runs beside (else None)."""
     engine.generate(prompt, **(options | dict(max_new_tokens=2)))  # warm-up, so neither run pays it
-    # alternate the two, so a noisy neighbour on the machine slows both alike; keep the medians
-    runs = [
-        engine.generate(prompt, seed=seed, speculative=speculative, **options)[0]
-        for _ in range(COMPARE_ROUNDS)
-        for speculative in (False, True)
-    ]
-    return _median_run(runs[0::2]), _median_run(runs[1::2])
+    ids, stop = None, None
+    if llamacpp is not None:
+        ids, stop = engine.prompt_token_ids(prompt, options["chat"]), sorted(engine.eos_token_ids)
+        llamacpp.generate(ids, 2, stop)
+    # alternate them, so a noisy neighbour on the machine slows all alike; keep the medians
+    runs, speeds = [], []
+    for _ in range(COMPARE_ROUNDS):
+        runs += [
+            engine.generate(prompt, seed=seed, speculative=speculative, **options)[0] for speculative in (False, True)
+        ]
+        if llamacpp is not None:
+            answer = llamacpp.generate(ids, options["max_new_tokens"], stop)
+            speeds.append(len(answer.token_ids) / answer.seconds)
+    speed = sorted(speeds)[len(speeds) // 2] if speeds else None
+    return _median_run(runs[0::2]), _median_run(runs[1::2]), speed
+
+
+def _llamacpp_beside(target: str, engine, prompt_ids: list[int], max_new_tokens: int):
+    """llama.cpp's plain decoding on the target's own .gguf, in its own process, where
+    llama-cpp-python is installed and the target has a .gguf (else None; a failure to start is
+    one line on stderr, and the comparison goes on without it)."""
+    import torch
+
+    from specdecode.bench import llamacpp
+    from specdecode.errors import InvalidArgumentError
+
+    if not llamacpp.installed():
+        return None
+    try:
+        gguf = llamacpp.gguf_file(target)
+    except InvalidArgumentError:
+        return None
+    try:
+        worker = llamacpp.LlamaCppWorker(gguf, torch.get_num_threads(), len(prompt_ids) + max_new_tokens + 8, None)
+    except llamacpp.LlamaCppError as error:
+        typer.echo(f"--compare without llama.cpp: {error}", err=True)
+        return None
+    if worker.info["n_vocab"] != engine.target_runner.vocab_size:  # other token ids: not comparable
+        worker.close()
+        return None
+    return worker
 
 
 def _median_run(results: list):
@@ -174,6 +220,15 @@ def _comparison(result, baseline, greedy: bool) -> dict:
         "speedup": result.stats.tokens_per_second / baseline.stats.tokens_per_second,
         "identical_output": result.token_ids == baseline.token_ids if greedy else None,
     }
+
+
+def _llamacpp_line(comparison: dict) -> str:
+    speed = comparison["llama_cpp_tokens_per_second"]
+    return (
+        f"[llama.cpp, plain decoding of the same .gguf {speed:.1f} tok/s | this engine: target-only "
+        f"{comparison['target_only_tokens_per_second'] / speed:.2f}x, speculative "
+        f"{comparison['speculative_tokens_per_second'] / speed:.2f}x llama.cpp]"
+    )
 
 
 def _comparison_line(comparison: dict) -> str:
