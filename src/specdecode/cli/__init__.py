@@ -17,10 +17,12 @@ cli/console.py (stderr, where everything but a command's result goes).
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 
 from specdecode.cli.batch_files import batch
 from specdecode.cli.benchmarks import bench, profile
-from specdecode.cli.errors import user_errors
+from specdecode.cli.console import stderr
+from specdecode.cli.errors import missing_extra, user_errors
 from specdecode.cli.generation import generate
 from specdecode.cli.serving import loadtest, serve
 from specdecode.training import train_draft_command
@@ -53,4 +55,11 @@ app.command("train-draft")(user_errors()(train_draft_command))
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as error:  # an import outside a command's user_errors: the same line
+        message = missing_extra(error)
+        if message is None:
+            raise
+        stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
