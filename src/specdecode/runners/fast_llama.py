@@ -43,7 +43,7 @@ from specdecode.runners.projection import (
     projection,
     w8a16_projection,
 )
-from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache, append
+from specdecode.runners.static_cache import KeepsHiddenStates, StaticCacheRunner, StaticKVCache, append
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -161,7 +161,7 @@ class _Bound:
 _Plan = Union[_Bound, torch.Tensor, None]
 
 
-class FastLlamaRunner(StaticCacheRunner):
+class FastLlamaRunner(KeepsHiddenStates, StaticCacheRunner):
     """On the model's device and dtype: one sequence in `self.cache` (forward), or several, each
     with a cache of its own (forward_batch, new_cache). quantization int8-weight-only stores
     the layers' products as weight-only int8 (the embedding and output head stay as they are);
@@ -276,7 +276,6 @@ class FastLlamaRunner(StaticCacheRunner):
             model.get_input_embeddings().weight
         )  # token ids [n] -> [n, hidden]
         self.layers = [self._fuse(layer, maxima[i] if smooth else None) for i, layer in enumerate(model.model.layers)]
-        self._hidden_layers: tuple[int, ...] = ()
         self.hidden: torch.Tensor | list[torch.Tensor] | None = None  # see hidden_layers
         self._rotary = model.model.rotary_emb
         self.per_query_attention = per_query_by_default(self.dtype, self.device)
@@ -310,6 +309,10 @@ class FastLlamaRunner(StaticCacheRunner):
             return None
         return layers.bind(self.layers, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
     def new_cache(self, capacity: int = INITIAL_CAPACITY) -> StaticKVCache:
         return StaticKVCache(
             len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, capacity
@@ -328,20 +331,6 @@ class FastLlamaRunner(StaticCacheRunner):
         if self.hidden is not None:
             self.hidden = self.hidden[0]
         return logits
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        """Which hidden states the next forwards keep in `hidden` (layer i's input; i = number of
-        layers: the last layer's output, before the final norm); () keeps none."""
-        return self._hidden_layers
-
-    @hidden_layers.setter
-    def hidden_layers(self, layers) -> None:
-        layers = tuple(int(i) for i in layers)
-        if any(not 0 <= i <= len(self.layers) for i in layers):
-            raise ValueError(f"hidden_layers {layers}: each in 0..{len(self.layers)}")
-        self._hidden_layers = layers
-        self.hidden = None
 
     @torch.inference_mode()
     def forward_batch(

@@ -46,7 +46,7 @@ from specdecode.runners.projection import (
     projection,
     w8a16_projection,
 )
-from specdecode.runners.static_cache import StaticCacheRunner, StaticKVCache
+from specdecode.runners.static_cache import KeepsHiddenStates, StaticCacheRunner, StaticKVCache
 
 ATTENTION = "specdecode-tree"  # the name of _attend in transformers' attention interface
 INITIAL_CAPACITY = 1024
@@ -263,7 +263,7 @@ def _shadow(module: nn.Module, config, shadow_config) -> nn.Module:
     return clone
 
 
-class FastTransformersRunner(StaticCacheRunner):
+class FastTransformersRunner(KeepsHiddenStates, StaticCacheRunner):
     """See the module's docstring. quantization: None, int8-weight-only or w8a8 (the decoder
     layers' products; w8a8's output head with 16-bit activations where the own int8 kernel
     runs, as the Llama runner's default recipe, without smoothing)."""
@@ -304,7 +304,6 @@ class FastTransformersRunner(StaticCacheRunner):
         self.lm_head = self._product(head.weight, getattr(head, "bias", None), head=True)
         self.products.append(self.lm_head)
         self.num_layers = len(self.decoder.layers)
-        self._hidden_layers: tuple[int, ...] = ()
         self._kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.decoder.layers):
             layer.register_forward_pre_hook(self._keep_input(i), with_kwargs=True)
@@ -404,20 +403,6 @@ class FastTransformersRunner(StaticCacheRunner):
         return StaticKVCache(
             self.num_layers, self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, capacity
         )
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        """Which hidden states the next forwards keep in `hidden` (layer i's input; i = number of
-        layers: the last layer's output, before the final norm); () keeps none."""
-        return self._hidden_layers
-
-    @hidden_layers.setter
-    def hidden_layers(self, layers) -> None:
-        layers = tuple(int(i) for i in layers)
-        if any(not 0 <= i <= self.num_layers for i in layers):
-            raise ValueError(f"hidden_layers {layers}: each in 0..{self.num_layers}")
-        self._hidden_layers = layers
-        self.hidden = None
 
     def _keep_input(self, index: int):
         def hook(module, args, kwargs):

@@ -195,6 +195,29 @@ class StaticCacheRunner:
         raise NotImplementedError
 
 
+class KeepsHiddenStates:
+    """`hidden_layers` for a runner whose forwards keep layer inputs in `hidden` (a draft head
+    reads them): FastLlamaRunner, FastTransformersRunner."""
+
+    num_layers: int  # its decoder layers
+    _hidden_layers: tuple[int, ...] = ()
+    hidden: torch.Tensor | list[torch.Tensor] | None = None
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Which hidden states the next forwards keep in `hidden` (layer i's input; i = number of
+        layers: the last layer's output, before the final norm); () keeps none."""
+        return self._hidden_layers
+
+    @hidden_layers.setter
+    def hidden_layers(self, layers) -> None:
+        layers = tuple(int(i) for i in layers)
+        if any(not 0 <= i <= self.num_layers for i in layers):
+            raise ValueError(f"hidden_layers {layers}: each in 0..{self.num_layers}")
+        self._hidden_layers = layers
+        self.hidden = None
+
+
 def _refuse_released(module: torch.nn.Module, args: tuple) -> None:
     raise RuntimeError(
         "this transformers model's layer weights were freed: the fast runner keeps them in its own "
