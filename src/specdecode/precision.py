@@ -14,8 +14,9 @@ older spelling of its `--quantization`.
 `resolve` turns a request (the dtype and quantization spellings) and the circumstances (the
 device, this CPU, whether a fast path runs the model: runners.select.resolve_precision gathers
 them) into a `Precision`, once. Loaders and runners read its fields, not names.
-`--dtype auto` never picks a quantization: 8 bits are opted into by name (`--quantization
-w8a8`). With one, auto still decides the dtype of what stays in float.
+`--dtype auto` picks one quantization, `w8a8`, where its measured recipe runs the model on a CPU
+with its kernels (`resolve`); otherwise 8 bits are opted into by name (`--quantization w8a8`).
+With one, auto still decides the dtype of what stays in float.
 """
 
 from __future__ import annotations
