@@ -425,17 +425,8 @@ class FastLlamaRunner(KeepsHiddenStates, StaticCacheRunner):
     ) -> tuple[torch.Tensor, _Keys]:  # logical positions [n], and the keys each token sees
         if not self.verifies_trees:
             raise ValueError("this runner does not verify trees (verifies_trees is False): pass parents=None")
-        if num_logits != n or parents.shape != (n,):
-            raise ValueError(f"a tree of {n} tokens wants all {n} rows' logits and {n} parents")
-        paths: list[list[int]] = []  # the cache slots each token sees after the cached prefix
-        for i, parent in enumerate(parents.tolist()):
-            if not -1 <= parent < i:
-                raise ValueError(f"parents[{i}] = {parent}: a parent comes before its child, or is -1")
-            paths.append((paths[parent] if parent >= 0 else []) + [length + i])
-        width = max(len(path) for path in paths)
-        extra = torch.tensor([path + [-1] * (width - len(path)) for path in paths], dtype=torch.int32)
-        positions = torch.tensor([length + len(path) - 1 for path in paths], device=self.device)
-        return positions, _Keys(torch.full((n,), length, dtype=torch.int32), extra)
+        positions, contiguous, extra = tree_attention.tree_plan(length, parents, n, num_logits)
+        return positions.to(self.device), _Keys(contiguous, extra)
 
     @staticmethod
     def _rows(

@@ -482,17 +482,8 @@ class FastTransformersRunner(KeepsHiddenStates, StaticCacheRunner):
             contiguous = torch.arange(length + 1, length + n + 1, dtype=torch.int32)
             positions = torch.arange(length, length + n)
             return _Sequence(cache, start, n, positions, contiguous, torch.empty(n, 0, dtype=torch.int32))
-        if num_logits != n or parents.shape != (n,):
-            raise ValueError(f"a tree of {n} tokens wants all {n} rows' logits and {n} parents")
-        paths: list[list[int]] = []  # the cache slots each token sees after the cached prefix
-        for i, parent in enumerate(parents.tolist()):
-            if not -1 <= parent < i:
-                raise ValueError(f"parents[{i}] = {parent}: a parent comes before its child, or is -1")
-            paths.append((paths[parent] if parent >= 0 else []) + [length + i])
-        width = max(len(path) for path in paths)
-        extra = torch.tensor([path + [-1] * (width - len(path)) for path in paths], dtype=torch.int32)
-        positions = torch.tensor([length + len(path) - 1 for path in paths])
-        return _Sequence(cache, start, n, positions, torch.full((n,), length, dtype=torch.int32), extra)
+        positions, contiguous, extra = tree_attention.tree_plan(length, parents, n, num_logits)
+        return _Sequence(cache, start, n, positions, contiguous, extra)
 
     def _copied_modules(self):
         for layer in self.model.base_model.layers:

@@ -127,6 +127,25 @@ def _describe(args: _Args) -> str:
     return ", ".join(f"{name}={getattr(args, name)}" for name, _ in args._fields_)
 
 
+def tree_plan(
+    length: int, parents: torch.Tensor, n: int, num_logits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's plan for a tree of n new tokens (parents [n]) after `length` cached ones:
+    (logical positions [n], contiguous [n] int32: every token sees cache positions 0 .. length - 1,
+    extra [n, depth] int32: then the slots of its ancestors and itself, until a -1)."""
+    if num_logits != n or parents.shape != (n,):
+        raise ValueError(f"a tree of {n} tokens wants all {n} rows' logits and {n} parents")
+    paths: list[list[int]] = []  # the cache slots each token sees after the cached prefix
+    for i, parent in enumerate(parents.tolist()):
+        if not -1 <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent}: a parent comes before its child, or is -1")
+        paths.append((paths[parent] if parent >= 0 else []) + [length + i])
+    width = max(len(path) for path in paths)
+    extra = torch.tensor([path + [-1] * (width - len(path)) for path in paths], dtype=torch.int32)
+    positions = torch.tensor([length + len(path) - 1 for path in paths])
+    return positions, torch.full((n,), length, dtype=torch.int32), extra
+
+
 def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     return device.type == "cpu" and dtype in DTYPES and head_dim <= MAX_HEAD_DIM
 
