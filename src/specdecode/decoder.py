@@ -59,7 +59,9 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.core.adaptive import AdaptiveK, AdaptiveTree, StepCosts
+from specdecode.core.adjustments import NO_ADJUSTMENTS, Adjustments
 from specdecode.core.constraints import Matcher
+from specdecode.core.logprobs import TokenLogprob, token_logprobs
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
 from specdecode.core.stopping import Stop, StoppingCriteria
@@ -87,6 +89,9 @@ class SequenceState:
     tag: object = None  # the caller's own record of this sequence (the server's request handle)
     cache_key: str | None = None  # its key in the engine's response cache, when it may be cached
     matcher: Matcher | None = None  # its place in a grammar its answer must follow (structured outputs)
+    adjustments: Adjustments = NO_ADJUSTMENTS  # logit bias and penalties (core/adjustments.py)
+    top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when asked
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids) + self.generated  # a resumed sequence keeps what it had
@@ -115,6 +120,7 @@ class _Decision:
     verdict: Verdict
     emitted: list[int]  # accepted drafts (a tree's accepted path) + the recovered or bonus token
     finish: Stop | None
+    logprobs: list[TokenLogprob]  # the emitted tokens', when the sequence asks for them
 
 
 # why a target whose cache cannot roll back decodes target-only (its stats say it)
@@ -335,15 +341,19 @@ class Decoder:
     def _decide(self, seq: SequenceState, draft: Draft, logits: torch.Tensor) -> _Decision | None:
         if seq.prompt_uncached and seq.rebuilding:
             return None  # its next token is known: the prefill only rebuilt the prompt's cache
-        if seq.matcher is not None:  # the constrained target: what the grammar forbids has probability 0
-            logits = seq.matcher.masked(logits, draft.tokens.tolist(), draft.parent_list())
+        target = _requested_target(seq, draft, logits)
         if draft.is_chain:
-            verdict = verify_logits(draft.tokens, draft.probs, logits, seq.params, seq.generator)
+            verdict = verify_logits(draft.tokens, draft.probs, target, seq.params, seq.generator)
         else:
-            verdict = verify_tree(draft.tokens, draft.parents, logits, seq.params, seq.generator)
+            verdict = verify_tree(draft.tokens, draft.parents, target, seq.params, seq.generator)
         emitted = draft.tokens[list(verdict.path)].tolist() + [verdict.next_token]
+        logprobs = []
+        if seq.top_logprobs is not None:  # from the rows each emitted token was drawn at
+            rows = [0] + [1 + node for node in verdict.path]
+            logprobs = token_logprobs(logits[rows], emitted, seq.top_logprobs)
         context_full = len(seq.tokens) + len(emitted) >= self.max_length
-        return _Decision(verdict, emitted, seq.stopping.check(seq.generated + emitted, len(emitted), context_full))
+        finish = seq.stopping.check(seq.generated + emitted, len(emitted), context_full)
+        return _Decision(verdict, emitted, finish, logprobs)
 
     def _keep_path(self, seq: SequenceState, draft: Draft, decision: _Decision | None) -> None:
         """A tree's accepted path to consecutive cache positions after the uncached tokens,
@@ -401,10 +411,12 @@ class Decoder:
         seq.cached = len(seq.tokens) + accepted  # the next token is not in the cache yet
         seq.tokens += emitted
         seq.generated += emitted
+        seq.logprobs += decision.logprobs
         seq.finish = decision.finish
         if seq.finish is not None:
             cut = len(seq.generated) - seq.finish.keep
             del seq.generated[seq.finish.keep :]
+            del seq.logprobs[seq.finish.keep :]
             emitted = emitted[: max(0, len(emitted) - cut)]  # what this step accepted past the stop
             seq.stats.generated_tokens = len(seq.generated)
         if seq.matcher is not None:
@@ -441,6 +453,19 @@ def policy_key(drafter_name: str, params: SamplingParams) -> str:
 def _hidden_layers_wanted(sequences: list[SequenceState]) -> tuple[int, ...]:
     """The target layers whose hidden states this step's drafters read (draft heads), sorted."""
     return tuple(sorted({i for seq in sequences for d in seq.drafters for i in d.hidden_layers}))
+
+
+def _requested_target(seq: SequenceState, draft: Draft, logits: torch.Tensor) -> torch.Tensor:
+    """The target a request asked for, at every verified row [len(draft) + 1, vocab]: its logits
+    adjusted by the tokens before each row (bias, penalties), then masked by its grammar."""
+    if not seq.adjustments.active and seq.matcher is None:
+        return logits
+    tokens, parents = draft.tokens.tolist(), draft.parent_list()
+    if seq.adjustments.active:
+        logits = seq.adjustments.apply(logits, seq.prompt_ids, seq.generated, tokens, parents)
+    if seq.matcher is not None:  # the constrained target: what the grammar forbids has probability 0
+        logits = seq.matcher.masked(logits, tokens, parents)
+    return logits
 
 
 def _after_forced(forced: list[int], draft: Draft, vocab_size: int) -> Draft:

@@ -14,6 +14,7 @@ OpenAI-style field of the server's requests; `-k` on the command line).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import cast
@@ -25,6 +26,7 @@ from specdecode import precision
 from specdecode.cache import DraftStore, ResponseCache
 from specdecode.cache.backends import Backend
 from specdecode.cache.engine_caches import CacheOptions, EngineCaches
+from specdecode.core.adjustments import NO_ADJUSTMENTS, Adjustments
 from specdecode.core.checks import (
     DEFAULT_SPECULATIVE_TOKENS,
     check_k,
@@ -33,9 +35,11 @@ from specdecode.core.checks import (
     check_prompt_text,
     check_request,
     check_seed,
+    check_stop_token_ids,
     seeds_for,
 )
 from specdecode.core.constraints import Constraint, Grammars
+from specdecode.core.logprobs import TokenLogprob
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.stats import GenerationStats
 from specdecode.core.stopping import StoppingCriteria
@@ -65,6 +69,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     finish_reason: str  # "stop" or "length"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked (core/logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class RequestSettings:
     seed: int | None
     num_speculative_tokens: int
     constraint: Constraint | None = None  # a grammar the answer must follow (core/constraints.py)
+    adjustments: Adjustments = NO_ADJUSTMENTS  # logit bias and penalties (core/adjustments.py)
+    logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest
 
     @property
     def fixed_k(self) -> bool:
@@ -330,13 +337,20 @@ class SpeculativeEngine:
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
         seed: int | None = None,
         stop: str | SequenceOf[str] | None = None,
+        stop_token_ids: SequenceOf[int] | None = None,
         chat: bool = False,
         num_speculative_tokens: int | None = None,
         speculative: bool = True,
         max_batch_size: int = 1,
         constraint: Constraint | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logprobs: int | None = None,
     ) -> list[GenerationResult]:
         """One GenerationResult per prompt, in order. Up to max_batch_size prompts decode
         together (continuous batching, decoder.py: one target forward per step verifies every
@@ -346,16 +360,23 @@ class SpeculativeEngine:
         gets a generator of its own seeded seed + i (core.checks.seeds_for), as the server's
         choices do: each prompt's sample is its own, the same alone, in a batch or from the
         response cache. constraint: a grammar the answers follow (structured outputs: JSON, a
-        JSON schema, a regular expression, choices, a Lark grammar), exact under speculation."""
+        JSON schema, a regular expression, choices, a Lark grammar); logit_bias and the
+        penalties: OpenAI's and transformers' (core/adjustments.py); stop_token_ids: tokens that
+        end an answer as EOS does; logprobs: n gives each new token's log-probability and the n
+        likeliest tokens there (core/logprobs.py). Every option is exact under speculation."""
         settings = self.settings(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             seed=seed,
             stop=stop,
+            stop_token_ids=stop_token_ids,
             num_speculative_tokens=num_speculative_tokens if speculative else 0,
             constraint=constraint,
+            adjustments=Adjustments.of(logit_bias, presence_penalty, frequency_penalty, repetition_penalty),
+            logprobs=logprobs,
         )
         capacity = self.batch_capacity(max_batch_size)
         prompt_ids = [self.prompt_token_ids(p, chat) for p in _as_prompt_list(prompts)]
@@ -381,32 +402,40 @@ class SpeculativeEngine:
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
         seed: int | None = None,
         stop: str | SequenceOf[str] | None = None,
+        stop_token_ids: SequenceOf[int] | None = None,
         num_speculative_tokens: int | None = None,
         constraint: Constraint | None = None,
+        adjustments: Adjustments = NO_ADJUSTMENTS,
+        logprobs: int | None = None,
     ) -> RequestSettings:
-        """Check a request's settings (core.checks.check_request, and a k at most this engine's);
-        every error names the argument at fault."""
+        """Check a request's settings (core.checks.check_request, and a k at most this engine's,
+        token ids within its vocabulary); every error names the argument at fault."""
         params, stop_strings = check_request(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             seed=seed,
             stop=stop,
             num_speculative_tokens=num_speculative_tokens,
             most_k=self.num_speculative_tokens,
+            logprobs=logprobs,
         )
+        check_stop_token_ids(stop_token_ids, self.target_runner.vocab_size)
+        adjustments.check_vocabulary(self.target_runner.vocab_size)
         if stop_strings and self.tokenizer is None:
             raise InvalidArgumentError("stop strings need a tokenizer; this engine has none", "stop")
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         decode = self.decode if self.tokenizer else None
         if constraint is not None:
             self.grammars.grammar(constraint)  # checked here: a bad one is this request's error
-        return RequestSettings(
-            params, StoppingCriteria(max_new_tokens, self.eos_token_ids, stop_strings, decode), seed, k, constraint
-        )
+        stops = self.eos_token_ids | frozenset(stop_token_ids or ())
+        stopping = StoppingCriteria(max_new_tokens, stops, stop_strings, decode)
+        return RequestSettings(params, stopping, seed, k, constraint, adjustments, logprobs)
 
     @property
     def grammars(self) -> Grammars:
@@ -464,6 +493,8 @@ class SpeculativeEngine:
             tag=tag,
             cache_key=key,
             matcher=matcher,
+            adjustments=settings.adjustments,
+            top_logprobs=settings.logprobs,
         )
 
     def batch_capacity(self, max_batch_size: int) -> int:
@@ -481,7 +512,8 @@ class SpeculativeEngine:
                 text = _cut_at_stop_string(text, seq.stopping.stop_strings)
         stats.target_precision = self.precision
         stats.target_runner = runner_label(self.target_runner)
-        return GenerationResult(text, list(seq.generated), seq.prompt_ids, finish.reason, stats)
+        logprobs = list(seq.logprobs) if seq.top_logprobs is not None else None
+        return GenerationResult(text, list(seq.generated), seq.prompt_ids, finish.reason, stats, logprobs)
 
     def prompt_token_ids(self, prompt: str | SequenceOf[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from specdecode.cache.backends import Backend, RedisBackend, mask_password, open_backend
 from specdecode.cache.draft_store import DraftStore
@@ -132,9 +132,10 @@ class EngineCaches:
         """A response-cache key for deterministic requests: greedy ones, or seeded samples (whose
         tokens depend on the drafts, so everything that decides them counts too: drafts(), the
         identity of each drafter's kind, settings and draft model, k and the policy); None for
-        the others, and for seeded samples of drafters that cannot be described (drafts() None)."""
+        the others, for seeded samples of drafters that cannot be described (drafts() None), and
+        for requests of log-probabilities (which the cache does not keep)."""
         params, stopping = settings.params, settings.stopping
-        if self.response_cache is None or not (params.greedy or seed is not None):
+        if self.response_cache is None or not (params.greedy or seed is not None) or settings.logprobs is not None:
             return None
         request = dict(
             max_new_tokens=stopping.max_new_tokens,
@@ -144,11 +145,15 @@ class EngineCaches:
         )
         if settings.constraint is not None:  # the answer follows its grammar
             request |= dict(constraint=[settings.constraint.kind, settings.constraint.value])
+        if settings.adjustments.active:  # bias and penalties change the greedy answer too
+            request |= dict(adjustments=astuple(settings.adjustments))
         if not params.greedy:
             identities = drafts() if k else []  # target-only: no drafter decides
             if identities is None:
                 return None
             request |= dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+            if params.min_p:
+                request |= dict(min_p=params.min_p)
             request |= dict(drafts=identities, k=k, adaptive=adaptive, fixed_k=settings.fixed_k)
         return self.response_cache.key(prompt_ids, **request)
 

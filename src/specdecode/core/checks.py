@@ -14,6 +14,7 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from specdecode.core.adaptive import MAX_SPECULATIVE_TOKENS
+from specdecode.core.logprobs import MAX_TOP_LOGPROBS
 from specdecode.core.sampling import SamplingParams
 from specdecode.errors import InvalidArgumentError
 
@@ -23,6 +24,7 @@ DEFAULT_SPECULATIVE_TOKENS = 4  # k where none is asked (engines, `generate`, `s
 # after every step searches the new text and the longest stop string's length before it)
 MAX_STOP_STRINGS = 4
 MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64  # a request's stop_token_ids (each step checks its new tokens against them)
 
 
 def check_request(
@@ -31,20 +33,46 @@ def check_request(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     stop: str | SequenceOf[str] | None = None,
     num_speculative_tokens: int | None = None,
     most_k: int = MAX_SPECULATIVE_TOKENS,
+    logprobs: int | None = None,
+    stop_token_ids: SequenceOf[int] | None = None,
 ) -> tuple[SamplingParams, list[str]]:
     """Every rule of one request's settings: its sampling parameters and stop strings.
     most_k: the most k it may ask (an engine's: the k it was loaded with)."""
-    params = SamplingParams(temperature, top_k, top_p)
+    params = SamplingParams(temperature, top_k, top_p, min_p)
     check_max_new_tokens(max_new_tokens)
     stop_strings = checked_stop_strings(stop)
     check_seed(seed)
     if num_speculative_tokens is not None:
         check_k(num_speculative_tokens, most_k)
+    check_logprobs(logprobs)
+    check_stop_token_ids(stop_token_ids)
     return params, stop_strings
+
+
+def check_logprobs(logprobs: int | None) -> None:
+    """None (no log-probabilities), or how many of the likeliest tokens to list beside each one."""
+    if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise InvalidArgumentError(
+            f"logprobs (the likeliest tokens listed per token) must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
+            "logprobs",
+        )
+
+
+def check_stop_token_ids(stop_token_ids: SequenceOf[int] | None, vocab_size: int | None = None) -> None:
+    """At most MAX_STOP_TOKEN_IDS ids, each within the vocabulary once it is known."""
+    ids = list(stop_token_ids or [])
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgumentError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids")
+    top = vocab_size if vocab_size is not None else 2**62
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < top), None)
+    if bad is not None:
+        within = f"in [0, {vocab_size})" if vocab_size is not None else "non-negative integers"
+        raise InvalidArgumentError(f"stop_token_ids must be {within}, got {bad}", "stop_token_ids")
 
 
 def check_max_new_tokens(max_new_tokens: int) -> None:

@@ -37,6 +37,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None  # drop tokens less likely than min_p times the likeliest (after temperature)
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # NaN and inf too
@@ -47,6 +48,8 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_k must be a positive integer or None, got {self.top_k}", "top_k")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
 
     @property
     def greedy(self) -> bool:
@@ -87,12 +90,16 @@ def check_finite(logits: torch.Tensor, row_max: torch.Tensor | None = None) -> N
 
 
 def _processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Top-k, top-p and softmax of finite, tempered float32 logits."""
+    """Top-k, top-p, min-p (in transformers' order) and softmax of finite, tempered float32 logits."""
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if params.top_p is not None and params.top_p < 1.0:
         logits = _mask_outside_top_p(logits, params.top_p)
+    if params.min_p:
+        # p_i < min_p * p_max  <=>  x_i - x_max < log(min_p): the same in logits, whatever was masked
+        top = logits.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(logits - top < math.log(params.min_p), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
