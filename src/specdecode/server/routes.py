@@ -15,13 +15,16 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from specdecode.core.adjustments import Adjustments
 from specdecode.core.checks import seeds_for
 from specdecode.core.constraints import Constraint
+from specdecode.core.logprobs import TokenLogprob
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.server import schemas
 from specdecode.server.config import ServerConfig
 from specdecode.server.errors import API_NAMES, APIError
+from specdecode.server.logprobs import chat_logprobs, completion_logprobs, token_text
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.streaming import outcomes, stream
 from specdecode.server.worker import (
@@ -82,12 +85,18 @@ async def completions(body: schemas.CompletionRequest, http: Request):
     max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
     handles = _submit(state, _generation_requests(state, body, body.prompt, max_tokens))
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
+    text = token_text(state.engine.tokenizer)
     if body.stream:
+        offset = 0  # where the next chunk's text starts in the answer
 
-        def chunk(text: str, reason: str | None = None) -> schemas.CompletionResponse:
-            return schemas.CompletionResponse(
-                **head, choices=[schemas.CompletionChoice(text=text, finish_reason=reason)]
-            )
+        def chunk(delta: str, reason: str | None = None, logprobs: list[TokenLogprob] | None = None):
+            nonlocal offset
+            scores = None
+            if body.logprobs is not None and reason is None:
+                scores = completion_logprobs(logprobs or [], text, offset)
+            offset += len(delta)
+            choice = schemas.CompletionChoice(text=delta, finish_reason=reason, logprobs=scores)
+            return schemas.CompletionResponse(**head, choices=[choice])
 
         def tail(result: GenerationResult) -> list[BaseModel]:
             usage = schemas.CompletionResponse(
@@ -98,7 +107,13 @@ async def completions(body: schemas.CompletionRequest, http: Request):
         return await stream(handles[0], http, state.metrics, "prompt", [], chunk, tail)
     results = await outcomes(handles, http, "prompt")
     choices = [
-        schemas.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)
+        schemas.CompletionChoice(
+            index=i,
+            text=r.text,
+            finish_reason=r.finish_reason,
+            logprobs=completion_logprobs(r.logprobs, text) if r.logprobs is not None else None,
+        )
+        for i, r in enumerate(results)
     ]
     return schemas.CompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
 
@@ -114,10 +129,18 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     handles = _submit(state, _generation_requests(state, body, prompt, max_tokens, templated, messages))
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
+    text = token_text(state.engine.tokenizer)
     if body.stream:
 
-        def chunk(text: str | None, reason: str | None = None, role: str | None = None) -> schemas.ChatCompletionChunk:
-            choice = schemas.ChatChunkChoice(delta=schemas.Delta(role=role, content=text), finish_reason=reason)
+        def chunk(
+            delta: str | None,
+            reason: str | None = None,
+            role: str | None = None,
+            logprobs: list[TokenLogprob] | None = None,
+        ) -> schemas.ChatCompletionChunk:
+            scores = chat_logprobs(logprobs, text) if body.logprobs and logprobs is not None else None
+            content = schemas.Delta(role=role, content=delta)
+            choice = schemas.ChatChunkChoice(delta=content, finish_reason=reason, logprobs=scores)
             return schemas.ChatCompletionChunk(**head, choices=[choice])
 
         def tail(result: GenerationResult) -> list[BaseModel]:
@@ -130,7 +153,12 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
         return await stream(handles[0], http, state.metrics, "messages", [chunk("", role="assistant")], chunk, tail)
     results = await outcomes(handles, http, "messages")
     choices = [
-        schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+        schemas.ChatChoice(
+            index=i,
+            message=schemas.AssistantMessage(content=r.text),
+            finish_reason=r.finish_reason,
+            logprobs=chat_logprobs(r.logprobs, text) if r.logprobs is not None else None,
+        )
         for i, r in enumerate(results)
     ]
     return schemas.ChatCompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
@@ -168,6 +196,20 @@ def _generation_requests(
     top_k = None if body.top_k == -1 else body.top_k  # vLLM's "off"
     k = body.speculative.num_speculative_tokens if body.speculative is not None else None
     constraint, constraint_param = _constraint(body)
+    logprobs, logprobs_param = _logprobs(body)
+    names = API_NAMES | {"constraint": constraint_param, "logprobs": logprobs_param}
+    try:
+        adjustments = Adjustments.of(
+            body.logit_bias,
+            body.presence_penalty or 0.0,
+            body.frequency_penalty or 0.0,
+            1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        )
+    except SpecDecodeError as error:
+        raise APIError(400, str(error), param=error.param) from None
+    options = dict(
+        min_p=body.min_p, stop_token_ids=body.stop_token_ids or [], adjustments=adjustments, logprobs=logprobs
+    )
     seeds = seeds_for(body.seed, body.n)
     for seed in seeds:
         try:
@@ -180,10 +222,10 @@ def _generation_requests(
                 stop=stop or None,
                 num_speculative_tokens=k,
                 constraint=constraint,
+                **options,
             )
         except SpecDecodeError as error:
-            param = constraint_param if error.param == "constraint" else API_NAMES.get(error.param, error.param)
-            raise APIError(400, str(error), param=param) from None
+            raise APIError(400, str(error), param=names.get(error.param, error.param)) from None
     operation = "chat" if isinstance(body, schemas.ChatCompletionRequest) else "text_completion"
     return [
         GenerationRequest(
@@ -200,9 +242,19 @@ def _generation_requests(
             operation=operation,
             messages=messages,
             constraint=constraint,
+            **options,
         )
         for seed in seeds
     ]
+
+
+def _logprobs(body: schemas._Request) -> tuple[int | None, str]:
+    """How many of the likeliest tokens to list per token (None: no log-probabilities), and the
+    parameter that says so."""
+    try:
+        return body.logprobs_asked()
+    except ValueError as error:
+        raise APIError(400, str(error), param="top_logprobs") from None
 
 
 def _constraint(body: schemas._Request) -> tuple[Constraint | None, str]:

@@ -4,8 +4,8 @@ The models check types only; value ranges (max_tokens, temperature, ...) are che
 engine (and the few bounds of OpenAI's own by routes.py), so that a wrong type is a 422 and
 a wrong value a 400 with the parameter named. A field this server does not implement is a
 400 naming it, not silently ignored: unknown fields are refused, and OpenAI's fields that
-change the output (logit_bias, logprobs, penalties, ...) are accepted only with the value
-that changes nothing (see `_Request.unsupported`).
+would change the output (best_of, echo, suffix) are accepted only with the value that changes
+nothing (see `_Request.unsupported`).
 """
 
 from __future__ import annotations
@@ -58,12 +58,6 @@ class StructuredOutputs(BaseModel):
 
 # OpenAI (and vLLM) fields not implemented here, each with the value that leaves the output as it is
 NO_OP_VALUES = {
-    "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -78,8 +72,10 @@ class _Request(BaseModel):
     temperature: float | None = None  # None: OpenAI's default, 1.0
     top_p: float | None = None
     top_k: int | None = None  # not in OpenAI's API; vLLM accepts it too
+    min_p: float | None = None  # vLLM's
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's: token ids that end the answer as EOS does
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -87,9 +83,7 @@ class _Request(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     user: str | None = None  # accepted and unused, as OpenAI uses it only for abuse monitoring
-    logit_bias: dict | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -101,9 +95,18 @@ class _Request(BaseModel):
         """The first field given a value this server cannot honour, if any."""
         return next((name for name, no_op in NO_OP_VALUES.items() if getattr(self, name) not in no_op), None)
 
+    def logprobs_asked(self) -> tuple[int | None, str]:
+        """How many of the likeliest tokens to list beside each token's log-probability (None:
+        no log-probabilities), and the field that asked."""
+        raise NotImplementedError
+
 
 class CompletionRequest(_Request):
     prompt: str | list[int]  # text, or token ids; one prompt per request for now
+    logprobs: int | None = None  # the completions API's: how many of the likeliest tokens to list
+
+    def logprobs_asked(self) -> tuple[int | None, str]:
+        return self.logprobs, "logprobs"
 
 
 class TextPart(BaseModel):
@@ -122,6 +125,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both are given
+    logprobs: bool | None = None  # the chat API's: whether to return log-probabilities ...
+    top_logprobs: int | None = None  # ... and how many of the likeliest tokens to list
+
+    def logprobs_asked(self) -> tuple[int | None, str]:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None, "logprobs"
+        return self.top_logprobs or 0, "top_logprobs"
 
 
 class Usage(BaseModel):
@@ -130,11 +142,38 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions API's: per token, its text, log-probability, the likeliest tokens
+    there (text -> log-probability) and where its text starts in the answer."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """The chat API's: one entry per token of the answer."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -156,6 +195,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -177,6 +217,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -38,11 +38,12 @@ async def stream(
     metrics: ServerMetrics,
     prompt_param: str,
     opening: list[BaseModel],
-    chunk: Callable[[str], BaseModel],
+    chunk: Callable[..., BaseModel],
     tail: Callable[[GenerationResult], list[BaseModel]],
 ) -> StreamingResponse:
-    """Server-sent events: the opening chunks, one chunk per piece of new text, the tail
-    (finish reason, usage), then [DONE]. An error before the first text is an ordinary
+    """Server-sent events: the opening chunks, one chunk per piece of new text (chunk(text,
+    logprobs=...): its tokens' log-probabilities, when asked), the tail (finish reason,
+    usage), then [DONE]. An error before the first text is an ordinary
     error response; one after it is an error event, as OpenAI sends."""
     deltas = handle.text_deltas()
     first = await _unless_client_leaves(anext(deltas, None), handle, http)  # through the queue and the prefill
@@ -54,9 +55,9 @@ async def stream(
             for event in opening:
                 yield _event(event)
             if first is not None:
-                yield _event(chunk(first))
+                yield _event(chunk(first.text, logprobs=first.logprobs))
                 async for delta in deltas:
-                    yield _event(chunk(delta))
+                    yield _event(chunk(delta.text, logprobs=delta.logprobs))
             error = handle.future.exception()
             if error is None:
                 for event in tail(handle.future.result()):

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from specdecode.core.adjustments import NO_ADJUSTMENTS, Adjustments
 from specdecode.core.constraints import Constraint
 from specdecode.core.detokenize import Holdback, IncrementalText
+from specdecode.core.logprobs import TokenLogprob
 from specdecode.decoder import SequenceState
 from specdecode.drafters import candidates_of
 from specdecode.drafters.suffix import SuffixDrafter
@@ -80,7 +82,19 @@ class GenerationRequest:
     operation: str = "text_completion"  # gen_ai.operation.name: "chat" or "text_completion"
     messages: list[dict] | None = None  # a chat's messages as sent (spans record them only if asked: tracing.py)
     constraint: Constraint | None = None  # a grammar the answer follows (structured outputs)
+    min_p: float | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    adjustments: Adjustments = NO_ADJUSTMENTS  # logit bias and penalties
+    logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest
     arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of a stream: new text, and the log-probabilities of the tokens it adds (when asked)."""
+
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class RequestHandle:
@@ -97,23 +111,24 @@ class RequestHandle:
         self.first_token_at: float | None = None
         self.started_at: float | None = None
         self.streamed_chars = 0
+        self.streamed_logprobs = 0  # tokens whose log-probabilities the stream has sent
         self.new_text: IncrementalText | None = None  # a stream's text, decoded as it grows
         self.holdback = Holdback(request.stop)  # ... less what may still begin a stop string
         self.on_cancel: Callable[[], None] | None = None  # the waiting room's: leave it at once
         self._loop = asyncio.get_running_loop() if request.stream else None
-        self._deltas: asyncio.Queue[str | None] | None = asyncio.Queue() if request.stream else None
+        self._deltas: asyncio.Queue[TextDelta | None] | None = asyncio.Queue() if request.stream else None
 
     def cancel(self) -> None:
         self.cancelled = True  # read by the worker between steps
         if self.on_cancel is not None:
             self.on_cancel()
 
-    async def text_deltas(self) -> AsyncIterator[str]:
+    async def text_deltas(self) -> AsyncIterator[TextDelta]:
         """Text as the engine accepts it; ends when the request ends (see `future` for how)."""
         while (delta := await self._deltas.get()) is not None:
             yield delta
 
-    def publish(self, delta: str | None) -> None:
+    def publish(self, delta: TextDelta | None) -> None:
         """From the worker thread: more text, or None at the end."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._deltas.put_nowait, delta)
@@ -349,6 +364,10 @@ class EngineWorker:
             stop=request.stop or None,
             num_speculative_tokens=request.num_speculative_tokens,
             constraint=request.constraint,
+            min_p=request.min_p,
+            stop_token_ids=request.stop_token_ids,
+            adjustments=request.adjustments,
+            logprobs=request.logprobs,
         )
         return engine.sequence(prompt_ids, settings, make_generator(request.seed), tag=handle)
 
@@ -412,7 +431,7 @@ class EngineWorker:
             if seq.finish is not None:
                 self._end(handle, seq)
             elif handle.request.stream and tokens:
-                self._publish_new_text(handle, seq.generated)
+                self._publish_new_text(handle, seq)
 
     def _end(
         self,
@@ -438,7 +457,7 @@ class EngineWorker:
             if result is not None and error is None and not aborted:
                 self._record(handle, result)
                 if handle.request.stream:  # the rest of the answer's text (the stream sent a prefix of it)
-                    self._publish(handle, result.text[handle.streamed_chars :])
+                    self._publish(handle, result.text[handle.streamed_chars :], result.logprobs or [], final=True)
         except Exception as failure:  # noqa: BLE001 - this request's failure, answered to it alone
             result, error = None, failure
         if handle.done:
@@ -483,18 +502,22 @@ class EngineWorker:
             self.engine.caches.remember(seq)
         return result
 
-    def _publish_new_text(self, handle: RequestHandle, generated: list[int]) -> None:
+    def _publish_new_text(self, handle: RequestHandle, seq: SequenceState) -> None:
         """The text the stream's new tokens add, decoded a window at a time (the cost of a step
         does not grow with the answer), less what may still begin a stop string."""
         if handle.new_text is None:
             handle.new_text = IncrementalText(self.engine.decode)
-        self._publish(handle, handle.holdback.release(handle.new_text.extend(generated)))
+        self._publish(handle, handle.holdback.release(handle.new_text.extend(seq.generated)), seq.logprobs)
 
     @staticmethod
-    def _publish(handle: RequestHandle, text: str) -> None:
-        if text:
-            handle.publish(text)
+    def _publish(handle: RequestHandle, text: str, logprobs: list[TokenLogprob], final: bool = False) -> None:
+        """Send text with the log-probabilities not sent yet; at the end (final), those of
+        tokens that added no text too (an EOS)."""
+        new = logprobs[handle.streamed_logprobs :]
+        if text or (final and new):
+            handle.publish(TextDelta(text, new))
             handle.streamed_chars += len(text)
+            handle.streamed_logprobs = len(logprobs)
 
     def _record(self, handle: RequestHandle, result: GenerationResult) -> None:
         m, stats, now = self.metrics, result.stats, time.perf_counter()
