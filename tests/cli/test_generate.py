@@ -5,6 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from helpers import byte_tokenizer, tiny_llama
 from specdecode import precision
 from specdecode.cli import app
 
@@ -197,3 +198,50 @@ def test_train_draft_refuses_an_unknown_loss_before_loading_anything(tmp_path):
     assert result.exit_code == 2
     assert "unknown loss 'bogus'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "head").exists()
+
+
+def test_sampling_options_and_grammars_reach_the_engine(tiny_model_dir):
+    from specdecode import SpeculativeEngine
+
+    engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
+    prompt, base = "w1 w2 w3 w1 w2", ["--target", tiny_model_dir, "--max-new-tokens", "12", "--json"]
+    penalized = json.loads(run(prompt, *base, "--repetition-penalty", "0.2", "--presence-penalty", "1").stdout)
+    expected = engine.generate(prompt, max_new_tokens=12, repetition_penalty=0.2, presence_penalty=1.0)[0]
+    assert penalized["token_ids"] == expected.token_ids
+    assert expected.token_ids != engine.generate(prompt, max_new_tokens=12)[0].token_ids  # the options mattered
+    scored = json.loads(run(prompt, *base, "--logprobs", "2").stdout)["logprobs"]
+    assert [e["token"] for e in scored] == engine.generate(prompt, max_new_tokens=12)[0].token_ids
+    assert all(len(e["top"]) == 2 for e in scored)
+
+
+def test_json_schema_and_regex_options(tmp_path):
+    """On a byte-level tokenizer (llguidance cannot read the tiny word-level one)."""
+    tokenizer = byte_tokenizer()
+    target = tiny_llama(seed=0, vocab_size=len(tokenizer), max_positions=256)
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    target.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    base = ["--target", str(tmp_path), "--max-new-tokens", "64", "--json", "--no-chat"]
+    answer = json.loads(run("x", *base, "--json-schema", str(tmp_path / "schema.json")).stdout)
+    assert isinstance(json.loads(answer["text"])["n"], int)
+    answer = json.loads(run("x", *base, "--regex", "[ab]{3}").stdout)
+    assert answer["text"] in {a + b + c for a in "ab" for b in "ab" for c in "ab"}
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--presence-penalty", "5"], "--presence-penalty"),
+        (["--min-p", "2"], "--min-p"),
+        (["--logprobs", "50"], "--logprobs"),
+        (["--json-schema", "{not json"], "--json-schema"),
+        (["--regex", "w1", "--json-schema", "{}"], "not both"),
+        (["--regex", "w[0-9]"], "cannot use this model's tokenizer"),
+    ],
+)
+def test_bad_sampling_options_exit_2_with_one_line(tiny_model_dir, args, says):
+    result = run("w1 w2", "--target", tiny_model_dir, "--max-new-tokens", "4", *args)
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1

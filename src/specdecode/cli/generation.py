@@ -4,6 +4,7 @@ llama-cpp-python is installed (greedy)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Optional
 
@@ -31,6 +32,7 @@ from specdecode.cli.options import (
     TargetOption,
     cache_options,
 )
+from specdecode.core.adjustments import Adjustments
 from specdecode.core.checks import DEFAULT_SPECULATIVE_TOKENS, check_prompt_text, check_request
 from specdecode.drafters.factory import DrafterOptions
 from specdecode.loading import DEFAULT_TARGET
@@ -73,8 +75,27 @@ def generate(
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with this mass.")] = None,
+    min_p: Annotated[
+        Optional[float], typer.Option(help="Drop tokens less likely than this times the likeliest.")
+    ] = None,
+    presence_penalty: Annotated[
+        float, typer.Option(help="OpenAI's: subtracted from each token already generated.")
+    ] = 0.0,
+    frequency_penalty: Annotated[
+        float, typer.Option(help="OpenAI's: subtracted per time a token was generated.")
+    ] = 0.0,
+    repetition_penalty: Annotated[
+        float, typer.Option(help="transformers': divides the logits of tokens seen (1: off).")
+    ] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop at this string (repeatable).")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="The answer matches this regular expression.")] = None,
+    json_schema: Annotated[
+        Optional[str], typer.Option(help="The answer is JSON of this schema (a file, or the schema's JSON).")
+    ] = None,
+    logprobs: Annotated[
+        Optional[int], typer.Option(help="With --json: each token's log-probability and the N likeliest.")
+    ] = None,
     chat: ChatOption = None,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -95,9 +116,15 @@ def generate(
     with user_errors():
         # what needs no model, before the load (from_pretrained checks k and max_model_len first too)
         check_prompt_text(prompt)
-        check_request(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop, logprobs=logprobs)
+        check_request(max_new_tokens=max_new_tokens, seed=seed, **sampling)
+        adjustments = dict(
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
         )
+        Adjustments.of(**adjustments)  # checked before the load
+        constraint = _constraint(regex, json_schema)
         with loading(target, draft):
             drafter_options = DrafterOptions(
                 adaptive,
@@ -132,9 +159,7 @@ def generate(
                 compile=compile,
             )
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
-        options = dict(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, chat=use_chat
-        )
+        options = dict(max_new_tokens=max_new_tokens, chat=use_chat, constraint=constraint, **sampling, **adjustments)
         llamacpp = None
         if compare and temperature == 0:
             llamacpp = _llamacpp_beside(target, engine, engine.prompt_token_ids(prompt, use_chat), max_new_tokens)
@@ -148,6 +173,8 @@ def generate(
                 llamacpp.close()
 
     output = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}
+    if result.logprobs is not None:
+        output["logprobs"] = [dataclasses.asdict(entry) for entry in result.logprobs]
     output["stats"] = result.stats.to_dict()
     lines = [result.text, f"[{result.stats.summary()}]"]
     if compare:
@@ -160,6 +187,31 @@ def generate(
         print(json.dumps(output))
     else:
         print("\n".join(lines))
+
+
+def _constraint(regex: str | None, json_schema: str | None):
+    """--regex or --json-schema (a file's path, or the schema itself) as a grammar; None for neither."""
+    from pathlib import Path
+
+    from specdecode.core.constraints import Constraint
+    from specdecode.errors import InvalidArgumentError
+
+    if regex is not None and json_schema is not None:
+        raise InvalidArgumentError("give --regex or --json-schema, not both", "json_schema")
+    if regex is not None:
+        return Constraint.regex(regex)
+    if json_schema is None:
+        return None
+    text = Path(json_schema).read_text() if Path(json_schema).is_file() else json_schema
+    try:
+        schema = json.loads(text)
+    except ValueError as error:
+        raise InvalidArgumentError(
+            f"--json-schema is neither a file nor JSON: {error}; give a schema file's path or its JSON", "json_schema"
+        ) from None
+    if not isinstance(schema, dict):
+        raise InvalidArgumentError("--json-schema must be a JSON object (a schema)", "json_schema")
+    return Constraint.json_schema(schema)
 
 
 def _timed_runs(engine, prompt: str, seed: int | None, options: dict, llamacpp) -> tuple:

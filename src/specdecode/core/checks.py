@@ -58,7 +58,7 @@ def check_logprobs(logprobs: int | None) -> None:
     """None (no log-probabilities), or how many of the likeliest tokens to list beside each one."""
     if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise InvalidArgumentError(
-            f"logprobs (the likeliest tokens listed per token) must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
+            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (the likeliest tokens listed per token), got {logprobs}",
             "logprobs",
         )
 

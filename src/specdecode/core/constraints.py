@@ -114,7 +114,14 @@ class Grammars:
     def tokenizer(self):
         llguidance = require_llguidance()
         eos = self.eos or None
-        return llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        try:
+            return llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        except (ValueError, TypeError, RuntimeError) as error:  # a tokenizer llguidance cannot read
+            raise InvalidArgumentError(
+                f"structured outputs cannot use this model's tokenizer ({error}); "
+                "llguidance reads byte-level BPE and SentencePiece tokenizers",
+                "constraint",
+            ) from None
 
     def grammar(self, constraint: Constraint) -> str:
         """The constraint's grammar, checked; a constraint llguidance refuses (a bad schema,
