@@ -151,6 +151,27 @@ def test_n_choices_are_sampled_together_each_as_it_would_be_alone(client):
     assert len(chat.choices) == 2 and chat.choices[1].index == 1
 
 
+def test_n_choices_stream_each_as_it_would_be_alone(client):
+    """Streamed, each choice's chunks carry its index and add up to its answer unstreamed."""
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, n=3, seed=11)
+    whole = client.completions.create(**ask)
+    texts, reasons = ["", "", ""], [None, None, None]
+    for chunk in client.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert texts == [c.text for c in whole.choices] and reasons == [c.finish_reason for c in whole.choices]
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = dict(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, n=2, seed=3)
+    answers = ["", ""]
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for choice in chunk.choices:
+            answers[choice.index] += choice.delta.content or ""
+    assert answers == [c.message.content for c in client.chat.completions.create(**chat).choices]
+
+
 def test_concurrent_clients_get_what_they_get_alone(client, reference):
     """Greedy requests batched with each other and with sampled ones (other temperature, top_p,
     seeds) return exactly the engine's single-request output."""
@@ -191,7 +212,6 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": PROMPT, "n": 9}, 400, "n"),
-    ({"model": MODEL, "prompt": PROMPT, "n": 2, "stream": True}, 400, "n"),
     ({"model": MODEL, "prompt": PROMPT, "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": " ".join(["w1"] * 200)}, 400, "prompt"),  # over the 128-token context
     ({"model": MODEL, "prompt": [999]}, 400, "prompt"),  # a token id outside the vocabulary

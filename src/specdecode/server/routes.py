@@ -87,24 +87,22 @@ async def completions(body: schemas.CompletionRequest, http: Request):
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
     text = token_text(state.engine.tokenizer)
     if body.stream:
-        offset = 0  # where the next chunk's text starts in the answer
+        offsets = [0] * body.n  # where each choice's next chunk starts in its answer
 
-        def chunk(delta: str, reason: str | None = None, logprobs: list[TokenLogprob] | None = None):
-            nonlocal offset
+        def chunk(delta: str, reason: str | None = None, index: int = 0, logprobs: list[TokenLogprob] | None = None):
             scores = None
             if body.logprobs is not None and reason is None:
-                scores = completion_logprobs(logprobs or [], text, offset)
-            offset += len(delta)
-            choice = schemas.CompletionChoice(text=delta, finish_reason=reason, logprobs=scores)
+                scores = completion_logprobs(logprobs or [], text, offsets[index])
+            offsets[index] += len(delta)
+            choice = schemas.CompletionChoice(index=index, text=delta, finish_reason=reason, logprobs=scores)
             return schemas.CompletionResponse(**head, choices=[choice])
 
-        def tail(result: GenerationResult) -> list[BaseModel]:
-            usage = schemas.CompletionResponse(
-                **head, choices=[], usage=_usage(result), speculative=result.stats.to_dict()
-            )
-            return [chunk("", result.finish_reason)] + ([usage] if _wants_usage(body) else [])
+        def tail(results: list[GenerationResult]) -> list[BaseModel]:
+            usage = schemas.CompletionResponse(**head, choices=[], usage=_usage(*results), speculative=_stats(results))
+            ends = [chunk("", r.finish_reason, index=i) for i, r in enumerate(results)]
+            return ends + ([usage] if _wants_usage(body) else [])
 
-        return await stream(handles[0], http, state.metrics, "prompt", [], chunk, tail)
+        return await stream(handles, http, state.metrics, "prompt", [], chunk, tail)
     results = await outcomes(handles, http, "prompt")
     choices = [
         schemas.CompletionChoice(
@@ -136,21 +134,22 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
             delta: str | None,
             reason: str | None = None,
             role: str | None = None,
+            index: int = 0,
             logprobs: list[TokenLogprob] | None = None,
         ) -> schemas.ChatCompletionChunk:
             scores = chat_logprobs(logprobs, text) if body.logprobs and logprobs is not None else None
             content = schemas.Delta(role=role, content=delta)
-            choice = schemas.ChatChunkChoice(delta=content, finish_reason=reason, logprobs=scores)
+            choice = schemas.ChatChunkChoice(index=index, delta=content, finish_reason=reason, logprobs=scores)
             return schemas.ChatCompletionChunk(**head, choices=[choice])
 
-        def tail(result: GenerationResult) -> list[BaseModel]:
-            usage = schemas.ChatCompletionChunk(
-                **head, choices=[], usage=_usage(result), speculative=result.stats.to_dict()
-            )
-            return [chunk(None, result.finish_reason)] + ([usage] if _wants_usage(body) else [])
+        def tail(results: list[GenerationResult]) -> list[BaseModel]:
+            usage = schemas.ChatCompletionChunk(**head, choices=[], usage=_usage(*results), speculative=_stats(results))
+            ends = [chunk(None, r.finish_reason, index=i) for i, r in enumerate(results)]
+            return ends + ([usage] if _wants_usage(body) else [])
 
-        # OpenAI opens a chat stream with the role
-        return await stream(handles[0], http, state.metrics, "messages", [chunk("", role="assistant")], chunk, tail)
+        # OpenAI opens a chat stream with the role, each choice's
+        opening = [chunk("", role="assistant", index=i) for i in range(body.n)]
+        return await stream(handles, http, state.metrics, "messages", opening, chunk, tail)
     results = await outcomes(handles, http, "messages")
     choices = [
         schemas.ChatChoice(
@@ -184,8 +183,6 @@ def _generation_requests(
         raise APIError(400, message, param=field_name, code="unsupported_parameter")
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
-    if body.n > 1 and body.stream:
-        raise APIError(400, "n > 1 cannot be streamed yet; ask without stream, or for n = 1", param="n")
     if max_tokens is not None and not 1 <= max_tokens <= state.context_length:
         message = f"max_tokens must be in [1, {state.context_length}] (max_model_len), got {max_tokens}"
         raise APIError(400, message, param="max_tokens")

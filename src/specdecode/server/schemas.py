@@ -227,7 +227,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    speculative: dict | None = None
+    speculative: dict | list[dict] | None = None
 
 
 class ModelCard(BaseModel):

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from specdecode.engine import GenerationResult
 from specdecode.server.errors import APIError, engine_error
 from specdecode.server.metrics import ServerMetrics
-from specdecode.server.worker import RequestHandle
+from specdecode.server.worker import RequestHandle, TextDelta
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
 
@@ -33,34 +33,35 @@ async def outcomes(handles: list[RequestHandle], http: Request, prompt_param: st
 
 
 async def stream(
-    handle: RequestHandle,
+    handles: list[RequestHandle],
     http: Request,
     metrics: ServerMetrics,
     prompt_param: str,
     opening: list[BaseModel],
     chunk: Callable[..., BaseModel],
-    tail: Callable[[GenerationResult], list[BaseModel]],
+    tail: Callable[[list[GenerationResult]], list[BaseModel]],
 ) -> StreamingResponse:
-    """Server-sent events: the opening chunks, one chunk per piece of new text (chunk(text,
-    logprobs=...): its tokens' log-probabilities, when asked), the tail (finish reason,
-    usage), then [DONE]. An error before the first text is an ordinary
-    error response; one after it is an error event, as OpenAI sends."""
-    deltas = handle.text_deltas()
-    first = await _unless_client_leaves(anext(deltas, None), handle, http)  # through the queue and the prefill
-    if first is None and handle.future.exception() is not None:
-        raise engine_error(handle.future.exception(), prompt_param)
+    """Server-sent events: the opening chunks, one chunk per piece of a choice's new text
+    (chunk(text, index=choice, logprobs=...): its tokens' log-probabilities, when asked), as
+    the choices' pieces come, the tail (each choice's finish reason, usage), then [DONE]. An
+    error before the first text is an ordinary error response; one after it is an error
+    event, as OpenAI sends, and the other choices are not wanted any more."""
+    deltas = _merged(handles)
+    first = await _unless_client_leaves(anext(deltas, None), handles, http)  # through the queue and the prefill
+    failed = _failure(handles)
+    if first is None and failed is not None:
+        raise engine_error(failed, prompt_param)
 
     async def events() -> AsyncIterator[str]:
         try:
             for event in opening:
                 yield _event(event)
             if first is not None:
-                yield _event(chunk(first.text, logprobs=first.logprobs))
-                async for delta in deltas:
-                    yield _event(chunk(delta.text, logprobs=delta.logprobs))
-            error = handle.future.exception()
+                async for index, delta in _chain(first, deltas):
+                    yield _event(chunk(delta.text, index=index, logprobs=delta.logprobs))
+            error = _failure(handles)
             if error is None:
-                for event in tail(handle.future.result()):
+                for event in tail([handle.future.result() for handle in handles]):
                     yield _event(event)
             else:
                 api_error = engine_error(error, prompt_param)
@@ -68,15 +69,56 @@ async def stream(
                 yield f"data: {json.dumps({'error': api_error.detail().model_dump()})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            handle.cancel()  # the client may have gone mid-stream; a finished request ignores it
+            for handle in handles:
+                handle.cancel()  # the client may have gone mid-stream; a finished request ignores it
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Every choice's text deltas, (choice, delta), in the order they come; ends when every
+    choice has ended, or at once when one fails (the others are cancelled by the caller)."""
+    queue: asyncio.Queue[tuple[int, TextDelta | None]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        async for delta in handle.text_deltas():
+            await queue.put((index, delta))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        running = len(handles)
+        while running:
+            index, delta = await queue.get()
+            if delta is not None:
+                yield index, delta
+                continue
+            running -= 1
+            if _failure([handles[index]]) is not None:
+                return
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _chain(first: tuple[int, TextDelta], rest: AsyncIterator[tuple[int, TextDelta]]):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _failure(handles: list[RequestHandle]) -> BaseException | None:
+    """The first choice's error that has failed, if any (a cancelled one has none)."""
+    for handle in handles:
+        if handle.future.done() and not handle.future.cancelled() and handle.future.exception() is not None:
+            return handle.future.exception()
+    return None
 
 
 async def _outcome(handle: RequestHandle, http: Request, prompt_param: str) -> GenerationResult:
     waiter = asyncio.wrap_future(handle.future)
     try:
-        return await _unless_client_leaves(waiter, handle, http)
+        return await _unless_client_leaves(waiter, [handle], http)
     except asyncio.CancelledError:  # the worker dropped it: the client had gone
         raise APIError(499, "the client closed the request", code="client_disconnected") from None
     except APIError:
@@ -85,13 +127,14 @@ async def _outcome(handle: RequestHandle, http: Request, prompt_param: str) -> G
         raise engine_error(error, prompt_param) from None
 
 
-async def _unless_client_leaves(awaitable: Awaitable, handle: RequestHandle, http: Request):
-    """Await awaitable; if the client disconnects meanwhile, free the request's place and give up."""
+async def _unless_client_leaves(awaitable: Awaitable, handles: list[RequestHandle], http: Request):
+    """Await awaitable; if the client disconnects meanwhile, free the requests' places and give up."""
     task = asyncio.ensure_future(awaitable)
     while not task.done():
         await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
         if not task.done() and await http.is_disconnected():
-            handle.cancel()
+            for handle in handles:
+                handle.cancel()
             task.cancel()
             raise APIError(499, "the client closed the request", code="client_disconnected")
     return task.result()
