@@ -21,7 +21,7 @@ from specdecode.core.constraints import Constraint
 from specdecode.core.logprobs import TokenLogprob
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import SpecDecodeError
-from specdecode.server import schemas
+from specdecode.server import schemas, tools
 from specdecode.server.config import ServerConfig
 from specdecode.server.errors import API_NAMES, APIError
 from specdecode.server.logprobs import chat_logprobs, completion_logprobs, token_text
@@ -119,48 +119,95 @@ async def completions(body: schemas.CompletionRequest, http: Request):
 @v1.post("/chat/completions")
 async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
     state = _state(http)
-    if not any(m.text().strip() for m in body.messages):
+    if not any(m.text().strip() or m.tool_calls for m in body.messages):
         raise APIError(400, "the messages are empty; give at least one with text", param="messages")
-    prompt, templated = _chat_prompt(state.engine, body.messages)
+    tool_choice = tools.choice_of(body)
+    conversation, prompt, templated = _chat_prompt(state.engine, body)
     # None (no limit given): up to the end of the context, as OpenAI's chat API does
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    handles = _submit(state, _generation_requests(state, body, prompt, max_tokens, templated, messages))
-    head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
-    text = token_text(state.engine.tokenizer)
+    calls = tools.constraint(body, tool_choice)
+    requests = _generation_requests(state, body, prompt, max_tokens, templated, conversation, calls)
+    handles = _submit(state, requests)
+    answer = _ChatAnswer(body, tool_choice, token_text(state.engine.tokenizer), state.model_name)
     if body.stream:
-
-        def chunk(
-            delta: str | None,
-            reason: str | None = None,
-            role: str | None = None,
-            index: int = 0,
-            logprobs: list[TokenLogprob] | None = None,
-        ) -> schemas.ChatCompletionChunk:
-            scores = chat_logprobs(logprobs, text) if body.logprobs and logprobs is not None else None
-            content = schemas.Delta(role=role, content=delta)
-            choice = schemas.ChatChunkChoice(index=index, delta=content, finish_reason=reason, logprobs=scores)
-            return schemas.ChatCompletionChunk(**head, choices=[choice])
-
-        def tail(results: list[GenerationResult]) -> list[BaseModel]:
-            usage = schemas.ChatCompletionChunk(**head, choices=[], usage=_usage(*results), speculative=_stats(results))
-            ends = [chunk(None, r.finish_reason, index=i) for i, r in enumerate(results)]
-            return ends + ([usage] if _wants_usage(body) else [])
-
         # OpenAI opens a chat stream with the role, each choice's
-        opening = [chunk("", role="assistant", index=i) for i in range(body.n)]
-        return await stream(handles, http, state.metrics, "messages", opening, chunk, tail)
+        opening = [answer.chunk("", role="assistant", index=i) for i in range(body.n)]
+        return await stream(handles, http, state.metrics, "messages", opening, answer.chunk, answer.tail)
     results = await outcomes(handles, http, "messages")
-    choices = [
-        schemas.ChatChoice(
-            index=i,
-            message=schemas.AssistantMessage(content=r.text),
-            finish_reason=r.finish_reason,
-            logprobs=chat_logprobs(r.logprobs, text) if r.logprobs is not None else None,
+    return schemas.ChatCompletionResponse(
+        **answer.head,
+        choices=[answer.choice(i, r) for i, r in enumerate(results)],
+        usage=_usage(*results),
+        speculative=_stats(results),
+    )
+
+
+class _ChatAnswer:
+    """A chat request's answer, whole or as chunks. With tools that may be called, a stream's
+    text is held until the end, when it is read for calls (tools.py)."""
+
+    def __init__(self, body: schemas.ChatCompletionRequest, tool_choice: str | None, text, model: str):
+        self.body, self.text = body, text
+        self.reads_calls = tool_choice not in (None, "none")
+        self.head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+    def message(self, result: GenerationResult) -> tuple[schemas.AssistantMessage, str]:
+        """The assistant's message and the finish reason ("tool_calls" where it calls)."""
+        if not self.reads_calls:
+            return schemas.AssistantMessage(content=result.text), result.finish_reason
+        content, calls = tools.calls_in(result.text or "", self.body)
+        if not calls:
+            return schemas.AssistantMessage(content=result.text), result.finish_reason
+        return schemas.AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+
+    def choice(self, index: int, result: GenerationResult) -> schemas.ChatChoice:
+        message, reason = self.message(result)
+        return schemas.ChatChoice(
+            index=index, message=message, finish_reason=reason, logprobs=self._logprobs(result.logprobs)
         )
-        for i, r in enumerate(results)
-    ]
-    return schemas.ChatCompletionResponse(**head, choices=choices, usage=_usage(*results), speculative=_stats(results))
+
+    def chunk(
+        self,
+        delta: str | None,
+        reason: str | None = None,
+        role: str | None = None,
+        index: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> schemas.ChatCompletionChunk | None:
+        if self.reads_calls and delta and role is None:
+            return None  # held until the end: it may be a call
+        return self._chunk(schemas.Delta(role=role, content=delta), reason, index, logprobs)
+
+    def _chunk(
+        self, delta: schemas.Delta, reason: str | None, index: int, logprobs: list[TokenLogprob] | None = None
+    ) -> schemas.ChatCompletionChunk:
+        choice = schemas.ChatChunkChoice(
+            index=index, delta=delta, finish_reason=reason, logprobs=self._logprobs(logprobs)
+        )
+        return schemas.ChatCompletionChunk(**self.head, choices=[choice])
+
+    def tail(self, results: list[GenerationResult]) -> list[BaseModel]:
+        events = []
+        for i, result in enumerate(results):
+            reason = result.finish_reason
+            if self.reads_calls:  # what was held: the text, or the calls
+                message, reason = self.message(result)
+                calls = [
+                    schemas.ToolCallDelta(index=n, **c.model_dump()) for n, c in enumerate(message.tool_calls or [])
+                ]
+                delta = schemas.Delta(content=message.content, tool_calls=calls or None)
+                events.append(self._chunk(delta, None, i, result.logprobs))
+            events.append(self._chunk(schemas.Delta(), reason, i))
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            events.append(
+                schemas.ChatCompletionChunk(
+                    **self.head, choices=[], usage=_usage(*results), speculative=_stats(results)
+                )
+            )
+        return events
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> schemas.ChoiceLogprobs | None:
+        return chat_logprobs(entries, self.text) if self.body.logprobs and entries is not None else None
 
 
 def _generation_requests(
@@ -170,6 +217,7 @@ def _generation_requests(
     max_tokens: int | None,
     templated: bool = False,
     messages: list[dict] | None = None,
+    calls: Constraint | None = None,
 ) -> list[GenerationRequest]:
     """The worker's requests, one per choice (n), choice i seeded seed + i (seeds_for) when a seed is given;
     checked first: the model's name, OpenAI's own bounds, then the engine's checks. max_tokens
@@ -193,6 +241,10 @@ def _generation_requests(
     top_k = None if body.top_k == -1 else body.top_k  # vLLM's "off"
     k = body.speculative.num_speculative_tokens if body.speculative is not None else None
     constraint, constraint_param = _constraint(body)
+    if calls is not None:  # the grammar of the calls tool_choice requires
+        if constraint is not None:
+            raise APIError(400, f"give {constraint_param} or a tool_choice that calls, not both", param="tool_choice")
+        constraint, constraint_param = calls, "tools"
     logprobs, logprobs_param = _logprobs(body)
     names = API_NAMES | {"constraint": constraint_param, "logprobs": logprobs_param}
     try:
@@ -316,17 +368,22 @@ def _submit(state: ServerState, requests: list[GenerationRequest]) -> list[Reque
     return handles
 
 
-def _chat_prompt(engine: SpeculativeEngine, messages: list[schemas.ChatMessage]) -> tuple[str, bool]:
-    """The prompt text, and whether it is a rendered chat template (with its special tokens)."""
+def _chat_prompt(engine: SpeculativeEngine, body: schemas.ChatCompletionRequest) -> tuple[list[dict], str, bool]:
+    """The conversation as rendered (tools.py), the prompt text, and whether it is a rendered
+    chat template (with its special tokens)."""
     tokenizer = engine.tokenizer
-    if getattr(tokenizer, "chat_template", None):
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    template = getattr(tokenizer, "chat_template", None)
+    conversation, functions = tools.conversation(body, template)
+    if template:
         try:
-            return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False), True
+            prompt = tokenizer.apply_chat_template(
+                conversation, tools=functions, add_generation_prompt=True, tokenize=False
+            )
         except Exception as error:  # templates raise on what they do not accept (roles out of order, ...)
             raise APIError(400, f"the model's chat template refused the messages: {error}", param="messages") from None
+        return conversation, prompt, True
     # a base model without a template: its contents, one message a line, to be continued
-    return "\n".join(m.text() for m in messages), False
+    return conversation, "\n".join(m["content"] for m in conversation), False
 
 
 def _usage(*results: GenerationResult) -> schemas.Usage:

@@ -38,7 +38,7 @@ async def stream(
     metrics: ServerMetrics,
     prompt_param: str,
     opening: list[BaseModel],
-    chunk: Callable[..., BaseModel],
+    chunk: Callable[..., BaseModel | None],
     tail: Callable[[list[GenerationResult]], list[BaseModel]],
 ) -> StreamingResponse:
     """Server-sent events: the opening chunks, one chunk per piece of a choice's new text
@@ -58,7 +58,8 @@ async def stream(
                 yield _event(event)
             if first is not None:
                 async for index, delta in _chain(first, deltas):
-                    yield _event(chunk(delta.text, index=index, logprobs=delta.logprobs))
+                    if (event := chunk(delta.text, index=index, logprobs=delta.logprobs)) is not None:
+                        yield _event(event)  # None: held back (a chat answer that may be a tool call)
             error = _failure(handles)
             if error is None:
                 for event in tail([handle.future.result() for handle in handles]):
