@@ -264,8 +264,12 @@ class Decoder:
             draft = self._runnable(drafter.propose(seq.tokens + forced, k, seq.params, seq.generator))
             policy = self._policy(drafter, seq.params)
             policy.record_draft(len(draft), time.perf_counter() - start)
+            after: list[int] = []
+            if seq.matcher is not None and draft.is_chain and len(draft):
+                draft, after = _grammar_checked(seq.matcher, forced, draft, room - 1 - len(forced))
             if len(draft):
-                return _after_forced(forced, replace(draft, source=drafter.name), self.slots.vocab_size), k
+                draft = _after_forced(forced, replace(draft, source=drafter.name), self.slots.vocab_size)
+                return _with_forced_after(draft, after, self.slots.vocab_size), k
             if batch_size > 1:
                 # the batch's forward grows with the others' drafts whether this sequence
                 # drafts or not, so for the policy proposing nothing gained nothing
@@ -397,15 +401,18 @@ class Decoder:
             seq.cached = len(seq.prompt_ids)
             return []
         accepted, emitted = decision.verdict.num_accepted, decision.emitted
-        # the drafter's part: past the grammar's forced tokens, which lead the draft as a chain
-        drafted, kept = len(draft) - draft.forced, max(0, accepted - draft.forced)
+        # the drafter's part: between the grammar's forced tokens, which lead the draft as a
+        # chain, and those it forces after a drafter's chain
+        drafted = len(draft) - draft.forced - draft.forced_after
+        kept = min(max(0, accepted - draft.forced), drafted)
         if drafted:  # a tree's size and accepted depth
             self.policies[policy_key(draft.source, seq.params)].record_verdict(drafted, kept, asked)
             next(d for d in seq.drafters if d.name == draft.source).observe(drafted, kept)
         depths = None if draft.is_chain else [d - draft.forced for d in draft.depths()[draft.forced :]]
         seq.stats.record_step(drafted, kept, draft.source if len(seq.drafters) > 1 and drafted else None, depths)
-        if draft.forced:
-            seq.stats.record_forced(draft.forced, min(accepted, draft.forced))
+        if draft.forced or draft.forced_after:
+            forced_kept = min(accepted, draft.forced) + max(0, accepted - draft.forced - drafted)
+            seq.stats.record_forced(draft.forced + draft.forced_after, forced_kept)
         if seq.rebuilding:
             seq.stats.record_replay(len(seq.tokens) - seq.cached - 1)  # run again, but the last
         seq.cached = len(seq.tokens) + accepted  # the next token is not in the cache yet
@@ -464,7 +471,7 @@ def _requested_target(seq: SequenceState, draft: Draft, logits: torch.Tensor) ->
     if seq.adjustments.active:
         logits = seq.adjustments.apply(logits, seq.prompt_ids, seq.generated, tokens, parents)
     if seq.matcher is not None:  # the constrained target: what the grammar forbids has probability 0
-        logits = seq.matcher.masked(logits, tokens, parents)
+        logits = seq.matcher.masked(logits, tokens, parents, greedy=seq.params.greedy)
     return logits
 
 
@@ -482,6 +489,27 @@ def _after_forced(forced: list[int], draft: Draft, vocab_size: int) -> Draft:
     if draft.parents is not None:
         parents = torch.cat([torch.arange(-1, n - 1), torch.where(draft.parents >= 0, draft.parents + n, n - 1)])
     return replace(draft, tokens=tokens, probs=probs, parents=parents, forced=n)
+
+
+def _grammar_checked(matcher: Matcher, forced: list[int], draft: Draft, most: int) -> tuple[Draft, list[int]]:
+    """A drafter's chain cut before the first token the grammar forbids there (the constrained
+    target rejects it for certain: verifying it costs, and can keep nothing), and the tokens
+    the grammar forces after what is left (at most `most` tokens in all)."""
+    keep, after = matcher.checked_chain(forced, draft.tokens.tolist(), most)
+    if keep < len(draft):
+        draft = replace(draft, tokens=draft.tokens[:keep], probs=None if draft.probs is None else draft.probs[:keep])
+    return draft, after[: max(0, most - keep)]
+
+
+def _with_forced_after(draft: Draft, after: list[int], vocab_size: int) -> Draft:
+    """draft (a chain) with the tokens a grammar forces after it, one-hot: drawn from nothing."""
+    if not after:
+        return draft
+    extra = torch.tensor(after, dtype=torch.long)
+    probs = None
+    if draft.probs is not None:
+        probs = torch.cat([draft.probs, F.one_hot(extra, vocab_size).to(draft.probs.dtype)])
+    return replace(draft, tokens=torch.cat([draft.tokens, extra]), probs=probs, forced_after=len(after))
 
 
 def _forward_parents(uncached: int, draft: Draft) -> torch.Tensor:  # [uncached + len(draft)] int64

@@ -142,6 +142,41 @@ def test_a_bad_constraint_is_one_error_naming_it(model):
         Constraint("yaml")
 
 
+def test_a_drafters_chain_is_cut_where_the_grammar_forbids_and_extended_where_it_forces(model):
+    target, tokenizer = model
+    matcher = SpeculativeEngine(target, tokenizer, None).grammars.matcher(CONSTRAINTS["regex"])  # [a-c]{3}-[0-9]{2}
+    ids = lambda text: tokenizer(text).input_ids  # noqa: E731 - one token a byte
+    assert matcher.checked_chain([], ids("abz1"), 8) == (2, [])  # z is forbidden: cut there
+    assert matcher.checked_chain([], ids("abc"), 8) == (3, ids("-"))  # then the hyphen is forced
+    assert matcher.checked_chain(ids("a"), ids("bc"), 8) == (2, ids("-"))  # behind forced tokens
+    assert matcher.checked_chain([], ids("abc"), 0) == (3, [])
+    assert matcher.allowed().sum() == 3  # the matcher was left at the start
+
+
+def test_greedy_masks_keep_every_rows_masked_argmax(model):
+    """Greedy rows whose argmax the grammar allows skip the mask: each row's argmax is still the
+    masked argmax, on random logits and draft trees, through allowed and forbidden paths."""
+    target, tokenizer = model
+    grammars = SpeculativeEngine(target, tokenizer, None).grammars
+    generator = torch.Generator().manual_seed(0)
+    token = tokenizer.convert_tokens_to_ids
+    skipped = 0
+    for constraint in (CONSTRAINTS["regex"], CONSTRAINTS["json_schema"]):
+        matcher = grammars.matcher(constraint)
+        for trial in range(40):
+            letters = [token(c) for c in "ab-1{"]
+            tokens = [letters[int(i)] for i in torch.randint(len(letters), (4,), generator=generator)]
+            parents = [-1, 0, 0, 1] if trial % 2 else [-1, 0, 1, 2]
+            logits = torch.randn(5, len(tokenizer), generator=generator)
+            if trial % 3 == 0:  # make an allowed token the argmax of some rows
+                logits[:, token("a")] += 10
+            fast = matcher.masked(logits, tokens, parents, greedy=True)
+            full = matcher.masked(logits, tokens, parents)
+            assert torch.equal(fast.argmax(-1), full.argmax(-1)), (constraint.kind, tokens, parents)
+            skipped += int((fast == logits).all(-1).sum())
+    assert skipped > 0  # some rows were kept as they were
+
+
 # --- sampling: the constrained target's exact law ---
 
 # two letters, then EOS: the second from another set than the first, so that a mask that does
@@ -198,7 +233,7 @@ def test_negative_control_masks_that_ignore_the_draft_path_fail(model, monkeypat
     grammar (the engine refuses to commit them) or their law."""
     target, tokenizer = model
 
-    def stale(self, logits, tokens, parents):
+    def stale(self, logits, tokens, parents, greedy=False):
         return logits.masked_fill(~self.allowed(), float("-inf"))
 
     monkeypatch.setattr(constraints.Matcher, "masked", stale)

@@ -23,7 +23,8 @@ def bench(
         str,
         typer.Option(
             help="specbench: drafters against transformers on Spec-Bench prompts; repeat: the caches on "
-            "exact repeats, near-repeats, multi-turn revisions and unique prompts."
+            "exact repeats, near-repeats, multi-turn revisions and unique prompts; json: schema-constrained "
+            "JSON extraction, auto with forced tokens against constrained target-only."
         ),
     ] = "specbench",
     quick: Annotated[
@@ -100,9 +101,14 @@ def bench(
         )
         _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, seed, output_dir, options)
         return
+    if workload == "json":
+        options = dict(draft=draft, drafter=drafter, system=system, k=k, prompts=prompts, category=category)
+        options |= dict(prompts_per_category=prompts_per_category, temperature=temperature, quick=quick, chat=chat)
+        _bench_json(target, device, dtype, quantization, max_new_tokens, runs, seed, output_dir, options)
+        return
     with user_errors():
         if workload != "specbench":
-            raise InvalidArgumentError(f"unknown --workload '{workload}'; use specbench or repeat")
+            raise InvalidArgumentError(f"unknown --workload '{workload}'; use specbench, repeat or json")
         config = BenchConfig.create(
             quick,
             target=target,
@@ -160,6 +166,44 @@ def _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, s
             )
     print(table)
     out = Path(output_dir or "bench-results") / "repeat.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    print(f"wrote {out}")
+
+
+def _bench_json(target, device, dtype, quantization, max_new_tokens, runs, seed, output_dir, options) -> None:
+    """`bench --workload json` (bench/extraction.py): its own documents and schemas, the engine's
+    defaults (dtype auto, drafter auto)."""
+    from pathlib import Path
+
+    from specdecode.bench.extraction import documents, run_extraction_workload
+    from specdecode.bench.progress import bench_progress
+    from specdecode.core.constraints import require_llguidance
+    from specdecode.engine import SpeculativeEngine
+
+    with user_errors():
+        given = [f"--{name.replace('_', '-')}" for name, value in options.items() if value not in (None, False)]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} do not apply to --workload json; leave them out")
+        if (max_new_tokens is not None and max_new_tokens < 1) or (runs is not None and runs < 1):
+            raise InvalidArgumentError("--max-new-tokens and --runs must be at least 1")
+        require_llguidance()
+        with loading(target or DEFAULT_TARGET):
+            engine = SpeculativeEngine.from_pretrained(
+                target or DEFAULT_TARGET,
+                device=device or "auto",
+                dtype=dtype or "auto",
+                quantization=quantization,
+                cache=CacheOptions(response_cache=False, draft_store=False),
+            )
+        runs = runs or 1
+        with bench_progress(stderr) as progress:
+            task = progress.add_task("requests", total=2 * runs * len(documents()))
+            table = run_extraction_workload(
+                engine, max_new_tokens or 256, runs, seed or 0, lambda: progress.advance(task)
+            )
+    print(table)
+    out = Path(output_dir or "bench-results") / "json-extraction.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table + "\n")
     print(f"wrote {out}")

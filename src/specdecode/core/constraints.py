@@ -164,15 +164,31 @@ class Matcher:
         bits = np.unpackbits(words, bitorder="little")[: self.vocab_size]
         return torch.from_numpy(bits.astype(bool))
 
-    def masked(self, logits: torch.Tensor, tokens: list[int], parents: list[int]) -> torch.Tensor:
+    def masked(self, logits: torch.Tensor, tokens: list[int], parents: list[int], greedy: bool = False) -> torch.Tensor:
         """logits [1 + len(tokens), vocab] (after the committed tokens, then after each draft
         node) with every token the grammar forbids there set to -inf. parents: each node's
-        parent among the nodes, -1 for the root (a chain: i - 1). The matcher is left as it was."""
-        masks = [self.allowed()]
-        for node in range(len(tokens)):
-            masks.append(self._allowed_after(_path(node, tokens, parents)))
-        allowed = torch.stack(masks)
-        return logits.masked_fill(~allowed, float("-inf"))
+        parent among the nodes, -1 for the root (a chain: i - 1). The matcher is left as it was.
+
+        greedy: only each row's argmax is used (decoding at temperature 0). A row whose argmax
+        the grammar allows there keeps its logits: masking removes tokens only, so the masked
+        argmax is the same token (ties included: no earlier index reaches the maximum). Only
+        the other rows pay for a mask, which costs far more than checking one token."""
+        rows = []
+        for node in range(-1, len(tokens)):
+            path = _path(node, tokens, parents) if node >= 0 else []
+            if greedy and self._keeps_argmax(path, int(logits[node + 1].argmax())):
+                rows.append(logits[node + 1])
+                continue
+            allowed = self.allowed() if node < 0 else self._allowed_after(path)
+            rows.append(logits[node + 1].masked_fill(~allowed, float("-inf")))
+        return torch.stack(rows)
+
+    def _keeps_argmax(self, path: list[int], argmax: int) -> bool:
+        """Whether the row after path needs no mask for its argmax: the grammar allows the argmax
+        there, or forbids the path itself (the row is never reached)."""
+        if self.matcher.is_stopped():
+            return False
+        return self.matcher.validate_tokens(path + [argmax]) != len(path)
 
     def _allowed_after(self, path: list[int]) -> torch.Tensor:
         """The mask after a draft path. Where the grammar forbids the path, the row after it is
@@ -189,6 +205,20 @@ class Matcher:
         """Up to `most` tokens the grammar forces next (keys, quotes, braces, the rest of an
         enum value): a draft that costs nothing, verified like any other."""
         return self.matcher.compute_ff_tokens()[:most] if most > 0 else []
+
+    def checked_chain(self, forced: list[int], chain: list[int], most: int) -> tuple[int, list[int]]:
+        """For a drafter's chain behind the forced tokens: how many of its tokens the grammar
+        allows (the rest would be rejected for certain: the constrained target gives them
+        probability 0), and up to `most` tokens the grammar forces after those. The matcher is
+        left as it was."""
+        valid = self.matcher.validate_tokens(forced + chain)
+        keep = max(0, valid - len(forced))
+        if keep == 0 or most <= 0:
+            return keep, []
+        consumed = self.matcher.try_consume_tokens(forced + chain[:keep])
+        after = self.matcher.compute_ff_tokens()[:most] if consumed == len(forced) + keep else []
+        self.matcher.rollback(consumed)
+        return keep, after
 
     def advance(self, tokens: list[int]) -> None:
         """Commit a step's emitted tokens (accepted drafts and the next token), each one the

@@ -27,6 +27,7 @@ class Draft:
     source: str | None = None  # which drafter of a composite (auto) proposed it
     parents: torch.Tensor | None = None  # [n] int64, parents[i] < i or -1 (the root); None: a chain
     forced: int = 0  # its first `forced` tokens are a chain a grammar forced (decoder.py), not the drafter's
+    forced_after: int = 0  # ... and its last ones what the grammar forces after the drafter's chain
 
     def __post_init__(self) -> None:
         if self.parents is not None and self.probs is not None:
