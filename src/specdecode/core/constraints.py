@@ -173,15 +173,19 @@ class Matcher:
         the grammar allows there keeps its logits: masking removes tokens only, so the masked
         argmax is the same token (ties included: no earlier index reaches the maximum). Only
         the other rows pay for a mask, which costs far more than checking one token."""
-        rows = []
+        argmax = logits.argmax(dim=-1).tolist() if greedy else []  # [1 + len(tokens)]
+        masks = {}  # row -> the tokens allowed there, for the rows that need a mask
         for node in range(-1, len(tokens)):
             path = _path(node, tokens, parents) if node >= 0 else []
-            if greedy and self._keeps_argmax(path, int(logits[node + 1].argmax())):
-                rows.append(logits[node + 1])
+            if greedy and self._keeps_argmax(path, argmax[node + 1]):
                 continue
-            allowed = self.allowed() if node < 0 else self._allowed_after(path)
-            rows.append(logits[node + 1].masked_fill(~allowed, float("-inf")))
-        return torch.stack(rows)
+            masks[node + 1] = self.allowed() if node < 0 else self._allowed_after(path)
+        if not masks:
+            return logits
+        masked = logits.clone()
+        for row, allowed in masks.items():
+            masked[row].masked_fill_(~allowed, float("-inf"))
+        return masked
 
     def _keeps_argmax(self, path: list[int], argmax: int) -> bool:
         """Whether the row after path needs no mask for its argmax: the grammar allows the argmax
