@@ -6,10 +6,12 @@ constraint is a 400 naming its parameter, and the server goes on."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from helpers import byte_tokenizer, serving, tiny_llama
 from specdecode import SpeculativeEngine
@@ -101,3 +103,17 @@ def test_a_bad_constraint_is_a_400_naming_it_and_the_server_goes_on(url, extra, 
     assert (
         httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x:", "max_tokens": 3}).status_code == 200
     )
+
+
+class City(BaseModel):
+    city: str = Field(max_length=8)
+    rank: Literal[1, 2, 3]
+
+
+def test_the_official_clients_parse_gets_its_pydantic_model(client):
+    """client.chat.completions.parse sends the model's strict schema and parses the answer back."""
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Rank a city:"}], response_format=City, max_tokens=60
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, City) and parsed.rank in (1, 2, 3) and len(parsed.city) <= 8
