@@ -201,12 +201,18 @@ THREE_LETTERS = Constraint.regex("[ab][ab][ab]")
 OUTCOMES = [x + y + z for x in "ab" for y in "ab" for z in "ab"]
 PROMPT_OF_LETTERS = "abbaabab aabbab"  # prompt lookup drafts letters from it: one-hot drafts
 SAMPLED = dict(
-    temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={tid("b"): 0.3}
+    temperature=1.0,
+    presence_penalty=1.0,
+    frequency_penalty=0.5,
+    repetition_penalty=1.2,
+    logit_bias={tid("b"): 0.3},
+    min_p=0.05,
 )
 
 
 def adjusted_law(target, tokenizer, prompt: str) -> np.ndarray:
-    """P(each of OUTCOMES) under the target with SAMPLED's options and the grammar's masks, in float64."""
+    """P(each of OUTCOMES) under the target with SAMPLED's options and the grammar's masks, in float64
+    (temperature 1: the tempered logits are the logits)."""
     model64 = target.to(torch.float64)
     ids = tokenizer(prompt).input_ids
     letters = {"a": tid("a"), "b": tid("b")}
@@ -223,6 +229,7 @@ def adjusted_law(target, tokenizer, prompt: str) -> np.ndarray:
             logits[token] += bias
         z = np.array([logits[t] for t in letters.values()])
         p = np.exp(z - z.max())
+        p = np.where(p < SAMPLED["min_p"] * p.max(), 0.0, p)  # min_p, after the grammar's mask
         return dict(zip(letters.values(), p / p.sum(), strict=True))
 
     def probability(outcome: str) -> float:
