@@ -20,15 +20,14 @@ w8a8 joins them: the runner `auto` picks for those models, against the generic o
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from pathlib import Path
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
+from specdecode.bench.quality import chunked_perplexity
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.bench.tables import markdown_table
 from specdecode.loading import load_model
@@ -91,19 +90,6 @@ def head_ms(runner, rows: int, repeats: int) -> float:
     return statistics.median(laps) * 1e3
 
 
-def perplexity(runner, ids: torch.Tensor) -> float:
-    """exp(mean NLL of ids[1:]), prefilled in chunks (a 262k vocabulary's logits are large)."""
-    runner.reset()
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, CHUNK):
-        chunk = ids[start : min(start + CHUNK, len(ids) - 1)]
-        logits = runner.forward(chunk, len(chunk))
-        targets = ids[start + 1 : start + 1 + len(chunk)]
-        nll += float(F.cross_entropy(logits.double(), targets, reduction="sum"))
-        count += len(chunk)
-    return math.exp(nll / count)
-
-
 def perturbed_perplexities(runner, ids: torch.Tensor, times: int) -> list[float]:
     embedding = runner.model.get_input_embeddings().weight
     original = embedding.detach().clone()
@@ -114,7 +100,7 @@ def perturbed_perplexities(runner, ids: torch.Tensor, times: int) -> list[float]
             chosen = torch.rand(original.shape, generator=torch.Generator().manual_seed(seed)) < 0.01
             with torch.no_grad():
                 embedding.copy_((original.view(bits) + chosen.to(bits)).view(original.dtype))
-            values.append(perplexity(runner, ids))
+            values.append(chunked_perplexity(runner, ids, CHUNK))
     finally:
         with torch.no_grad():
             embedding.copy_(original)
@@ -134,13 +120,13 @@ def main() -> None:
     ids = torch.tensor(tokenizer(TEXT.read_text())["input_ids"][:tokens])
     times = forward_ms(built, ids[:prefix_length], args.repeats)
     float32 = FastTransformersRunner(load_model(args.target, dtype="float32")[0])
-    reference = perplexity(float32, ids)
+    reference = chunked_perplexity(float32, ids, CHUNK)
     rows = [["float32", "", "", "", "", "", "", f"{reference:.3f}", ""]]
     for name, runner in built.items():
         one = times[(name, 1)]
         ratios = [f"{times[(name, n)]:.1f} ({times[(name, n)] / one:.2f}x)" for n in SIZES[1:]]
         heads = [f"{head_ms(runner, n, args.repeats):.2f}" for n in (1, 5)]
-        ppl = perplexity(runner, ids)
+        ppl = chunked_perplexity(runner, ids, CHUNK)
         rows.append([name, f"{one:.1f}", *ratios, *heads, f"{ppl:.3f}", f"{(ppl / reference - 1) * 100:+.2f}%"])
     header = ["runner", "1 token ms", "5 tokens ms", "8 tokens ms", "16 tokens ms", "head 1 row ms"]
     header += ["head 5 rows ms", f"perplexity ({len(ids)} tokens)", "vs float32"]

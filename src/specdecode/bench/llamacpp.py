@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdecode.errors import InvalidArgumentError, SpecDecodeError
-from specdecode.loading import OFFLINE_MODELS
+from specdecode.loading import OFFLINE_MODELS, cache_dir
 
 PLAIN, LOOKUP = "llama.cpp", "llama.cpp+lookup"
 LLAMACPP_SYSTEMS = (PLAIN, LOOKUP)  # the names `bench --system` takes
@@ -49,6 +49,38 @@ def installed() -> bool:
         return importlib.util.find_spec("llama_cpp") is not None
     except ValueError:  # a module of that name in sys.modules without a spec
         return False
+
+
+# the .gguf types users download most (benchmarks/gguf_types.py measures each one)
+GGUF_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+_QUANTIZE = (
+    "import ctypes, sys, llama_cpp\n"
+    "params = llama_cpp.llama_model_quantize_default_params()\n"
+    "params.ftype = getattr(llama_cpp, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3])\n"
+    "params.allow_requantize = True\n"
+    "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))\n"
+)
+
+
+def quantized_gguf(source: Path, kind: str) -> Path:
+    """source requantized to kind (one of GGUF_TYPES) by llama.cpp's own quantizer, in a process
+    of its own (this one keeps llama.cpp's library out); cached, and written whole or not at all.
+    A tensor whose rows the kind's blocks do not divide gets llama.cpp's fallback type, as in
+    the files users download."""
+    if kind not in GGUF_TYPES:
+        raise InvalidArgumentError(f"unknown .gguf type '{kind}'; choose one of: {', '.join(GGUF_TYPES)}")
+    target = cache_dir() / "gguf" / f"{source.stem}-{source.stat().st_size}.{kind}.gguf"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    done = subprocess.run(
+        [sys.executable, "-c", _QUANTIZE, str(source), str(partial), kind], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise LlamaCppError(f"llama.cpp could not quantize {source.name} to {kind}: {done.stderr.strip()[-500:]}")
+    partial.replace(target)
+    return target
 
 
 def gguf_file(target: str) -> Path:

@@ -138,6 +138,20 @@ def runner_perplexity(runner: ModelRunner, token_ids: list[int]) -> float:
     return float(torch.exp(nll))
 
 
+def chunked_perplexity(runner: ModelRunner, ids: torch.Tensor, chunk: int = 256) -> float:
+    """exp(mean NLL of ids[1:]) under the runner, prefilled in chunks of `chunk` tokens with
+    every row's logits (a large vocabulary's logits for a whole text do not fit at once)."""
+    runner.reset()
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start : min(start + chunk, len(ids) - 1)]
+        logits = runner.forward(piece, len(piece))
+        targets = ids[start + 1 : start + 1 + len(piece)]
+        nll += float(F.cross_entropy(logits.double(), targets, reduction="sum"))
+        count += len(piece)
+    return math.exp(nll / count)
+
+
 def greedy_agreement(
     runner: ModelRunner, reference: ModelRunner, prompt_ids: list[int], greedy: list[int]
 ) -> tuple[float, float]:
