@@ -8,7 +8,7 @@ import re
 
 from typer.testing import CliRunner
 
-from helpers import byte_tokenizer, tiny_llama
+from helpers import byte_llama
 from specdecode import SpeculativeEngine
 from specdecode.bench.extraction import documents, run_extraction_workload
 from specdecode.cli import app
@@ -16,10 +16,7 @@ from specdecode.drafters import PromptLookupDrafter
 
 
 def test_the_workload_compares_constrained_decoding_with_forced_tokens():
-    tokenizer = byte_tokenizer()
-    target = tiny_llama(seed=0, vocab_size=len(tokenizer), max_positions=1024)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    engine = SpeculativeEngine(target, tokenizer, PromptLookupDrafter(), num_speculative_tokens=4)
+    engine = SpeculativeEngine(*byte_llama(max_positions=1024), PromptLookupDrafter(), num_speculative_tokens=4)
     asked = []
     table = run_extraction_workload(engine, 24, on_request=lambda: asked.append(1))
     n = len(documents())

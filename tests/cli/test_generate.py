@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from helpers import byte_tokenizer, tiny_llama
+from helpers import byte_llama
 from specdecode import precision
 from specdecode.cli import app
 
@@ -216,9 +216,7 @@ def test_sampling_options_and_grammars_reach_the_engine(tiny_model_dir):
 
 def test_json_schema_and_regex_options(tmp_path):
     """On a byte-level tokenizer (llguidance cannot read the tiny word-level one)."""
-    tokenizer = byte_tokenizer()
-    target = tiny_llama(seed=0, vocab_size=len(tokenizer), max_positions=256)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    target, tokenizer = byte_llama()
     target.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"]}

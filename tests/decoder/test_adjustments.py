@@ -15,7 +15,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import MinPLogitsWarper
 
-from helpers import ALPHA, assert_drafted_and_accepted, byte_tokenizer, g_test_pvalue, head64_llama, tiny_llama
+from helpers import ALPHA, assert_drafted_and_accepted, byte_llama, byte_tokenizer, g_test_pvalue, head64_llama
 from specdecode import SpeculativeEngine
 from specdecode.core import adjustments
 from specdecode.core.constraints import Constraint
@@ -30,18 +30,13 @@ PROMPTS = ["the cat sat on the mat. the cat sat on the", "abcabcabc abcabc ab"]
 
 @pytest.fixture(scope="module")
 def model():
-    tokenizer = TOKENIZER
-    target = tiny_llama(seed=2, vocab_size=len(tokenizer), max_positions=256)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    return target, tokenizer
+    return byte_llama(seed=2)
 
 
 @pytest.fixture(scope="module")
 def letters_model():
     """A model whose law over OUTCOMES below is spread (seed 2's puts nearly all on one)."""
-    target = tiny_llama(seed=5, vocab_size=len(TOKENIZER), max_positions=256)
-    target.generation_config.eos_token_id = TOKENIZER.eos_token_id
-    return target, TOKENIZER
+    return byte_llama(seed=5)
 
 
 class OpenAIPenalties(LogitsProcessor):

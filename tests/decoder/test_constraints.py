@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from helpers import ALPHA, assert_drafted_and_accepted, byte_tokenizer, g_test_pvalue, tiny_llama
+from helpers import ALPHA, assert_drafted_and_accepted, byte_llama, g_test_pvalue
 from specdecode import SpeculativeEngine
 from specdecode.core import constraints
 from specdecode.core.constraints import Constraint
@@ -45,10 +45,7 @@ CONSTRAINTS = {
 
 @pytest.fixture(scope="module")
 def model():
-    tokenizer = byte_tokenizer()
-    target = tiny_llama(seed=0, vocab_size=len(tokenizer), max_positions=256)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    return target, tokenizer
+    return byte_llama()
 
 
 class GrammarProcessor(LogitsProcessor):

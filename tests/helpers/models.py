@@ -103,6 +103,15 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
 
 
+def byte_llama(seed: int = 0, max_positions: int = 256):
+    """A tiny Llama over byte_tokenizer's vocabulary (which llguidance reads, for grammars), its
+    EOS the tokenizer's; (model, tokenizer)."""
+    tokenizer = byte_tokenizer()
+    target = tiny_llama(seed=seed, vocab_size=len(tokenizer), max_positions=max_positions)
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    return target, tokenizer
+
+
 def nearby_draft(target, noise: float, seed: int = 0):
     """A copy of target whose output head is perturbed: a draft that agrees often, not always."""
     draft = copy.deepcopy(target)

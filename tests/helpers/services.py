@@ -93,6 +93,13 @@ class CrashAt:
 # --- real services on loopback (Redis), started and stopped by the tests ---
 
 
+def openai_client(url: str):
+    """The official client for a server's base URL, failing at once rather than retrying."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

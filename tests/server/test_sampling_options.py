@@ -8,10 +8,9 @@ from __future__ import annotations
 import math
 
 import httpx
-import openai
 import pytest
 
-from helpers import byte_tokenizer, serving, tiny_llama
+from helpers import byte_llama, byte_tokenizer, openai_client, serving
 from specdecode import SpeculativeEngine
 from specdecode.drafters import ModelDrafter
 from specdecode.runners import HFModelRunner
@@ -23,9 +22,8 @@ TOKENIZER = byte_tokenizer()
 
 
 def engine() -> SpeculativeEngine:
-    target = tiny_llama(seed=2, vocab_size=len(TOKENIZER), max_positions=256)
-    target.generation_config.eos_token_id = TOKENIZER.eos_token_id
-    return SpeculativeEngine(target, TOKENIZER, ModelDrafter(HFModelRunner(target)), num_speculative_tokens=4)
+    target, tokenizer = byte_llama(seed=2)
+    return SpeculativeEngine(target, tokenizer, ModelDrafter(HFModelRunner(target)), num_speculative_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +39,7 @@ def url():
 
 @pytest.fixture
 def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(url)
 
 
 def tid(char: str) -> int:

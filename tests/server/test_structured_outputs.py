@@ -9,11 +9,10 @@ import json
 from typing import Literal
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from helpers import byte_tokenizer, serving, tiny_llama
+from helpers import byte_llama, openai_client, serving
 from specdecode import SpeculativeEngine
 from specdecode.core.constraints import Constraint
 from specdecode.drafters import PromptLookupDrafter
@@ -29,10 +28,7 @@ SCHEMA = {
 
 
 def engine() -> SpeculativeEngine:
-    tokenizer = byte_tokenizer()
-    target = tiny_llama(seed=0, vocab_size=len(tokenizer), max_positions=256)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    return SpeculativeEngine(target, tokenizer, PromptLookupDrafter(), num_speculative_tokens=4)
+    return SpeculativeEngine(*byte_llama(), PromptLookupDrafter(), num_speculative_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +44,7 @@ def url():
 
 @pytest.fixture
 def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(url)
 
 
 def test_a_json_schema_answer_follows_the_schema_as_the_engine_answers(client, reference):

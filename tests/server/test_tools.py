@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
-from helpers import byte_tokenizer, serving, tiny_llama
+from helpers import byte_llama, byte_tokenizer, openai_client, serving
 from specdecode import SpeculativeEngine
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.server import create_app, schemas, tools
@@ -41,11 +40,8 @@ TIME = {
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def engine() -> SpeculativeEngine:
-    tokenizer = byte_tokenizer()
-    target = tiny_llama(seed=0, vocab_size=len(tokenizer), max_positions=2048)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    return SpeculativeEngine(target, tokenizer, PromptLookupDrafter(), num_speculative_tokens=4)
+def engine() -> SpeculativeEngine:  # one token a byte: a context for the tools' listing
+    return SpeculativeEngine(*byte_llama(max_positions=2048), PromptLookupDrafter(), num_speculative_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +57,7 @@ def url():
 
 @pytest.fixture
 def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(url)
 
 
 def follows_weather(arguments: str) -> bool:
