@@ -15,7 +15,9 @@ active (runners/slots.py); a *step* is one target forward. `Decoder.step` runs t
    none), a chain or a tree of k nodes; k is chosen here, from what was measured
    (core/adaptive.py: by position for chains, by tree size for drafters of trees; a drafter's
    greedy and sampled sequences are measured apart, `policy_key`). A target that cannot
-   verify trees (runner.verifies_trees False) runs a tree's first path, a chain;
+   verify trees (runner.verifies_trees False) runs a tree's first path, a chain. Under a
+   grammar, what it forces leads the draft, and a drafter's chain is cut before the first
+   token it forbids and extended by what it forces after the rest (core/constraints.py);
 3. verify: the target runs every sequence's uncached tokens and drafts in ONE forward (a
    tree's nodes each attend to the cache, the root and their ancestors). A rebuilt
    sequence's generated tokens (uncached but its last) run here too, with every row's
