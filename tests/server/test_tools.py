@@ -112,6 +112,26 @@ def test_auto_and_none_answer_text_when_the_model_writes_no_call(client):
         assert response.choices[0].message.tool_calls is None and response.choices[0].message.content is not None
 
 
+def test_auto_streams_text_as_it_comes(client):
+    asked = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**asked).choices[0].message.content
+    pieces = [
+        c.choices[0].delta.content
+        for c in client.chat.completions.create(**asked, stream=True)
+        if c.choices and c.choices[0].delta.content
+    ]
+    assert "".join(pieces) == whole and len(pieces) > 1  # not held to the end
+
+
+def test_a_stream_holds_what_may_begin_a_call():
+    holdback = tools.CallHoldback()
+    assert holdback.release("Sure. <tool") == "Sure. " and holdback.held == "<tool"
+    assert holdback.release("box") == "<toolbox"  # not a call after all
+    assert holdback.release('<tool_call>{"name"') == "" and holdback.calling
+    assert holdback.release(': "f"}</tool_call> more') == ""
+    assert holdback.held == '<tool_call>{"name": "f"}</tool_call> more'
+
+
 def test_calls_are_read_from_hermes_blocks():
     body = schemas.ChatCompletionRequest(model=MODEL, messages=MESSAGES, tools=[WEATHER])
     text = 'Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'

@@ -143,13 +143,16 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
 
 
 class _ChatAnswer:
-    """A chat request's answer, whole or as chunks. With tools that may be called, a stream's
-    text is held until the end, when it is read for calls (tools.py)."""
+    """A chat request's answer, whole or as chunks. With tools that may be called, a stream
+    sends its text as it comes until a call may begin; the rest is held until the end, when the
+    answer is read for calls (tools.py)."""
 
     def __init__(self, body: schemas.ChatCompletionRequest, tool_choice: str | None, text, model: str):
         self.body, self.text = body, text
         self.reads_calls = tool_choice not in (None, "none")
         self.head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+        self.holdbacks = [tools.CallHoldback() for _ in range(body.n)]  # each choice's, with tools
+        self.held_logprobs: list[list[TokenLogprob]] = [[] for _ in range(body.n)]
 
     def message(self, result: GenerationResult) -> tuple[schemas.AssistantMessage, str]:
         """The assistant's message and the finish reason ("tool_calls" where it calls)."""
@@ -175,7 +178,11 @@ class _ChatAnswer:
         logprobs: list[TokenLogprob] | None = None,
     ) -> schemas.ChatCompletionChunk | None:
         if self.reads_calls and delta and role is None:
-            return None  # held until the end: it may be a call
+            self.held_logprobs[index] += logprobs or []
+            delta = self.holdbacks[index].release(delta)
+            if not delta:
+                return None  # held: it may be, or is, a call
+            logprobs, self.held_logprobs[index] = self.held_logprobs[index], []
         return self._chunk(schemas.Delta(role=role, content=delta), reason, index, logprobs)
 
     def _chunk(
@@ -190,13 +197,16 @@ class _ChatAnswer:
         events = []
         for i, result in enumerate(results):
             reason = result.finish_reason
-            if self.reads_calls:  # what was held: the text, or the calls
+            if self.reads_calls:  # what was held: the calls, or text that is none
                 message, reason = self.message(result)
                 calls = [
                     schemas.ToolCallDelta(index=n, **c.model_dump()) for n, c in enumerate(message.tool_calls or [])
                 ]
-                delta = schemas.Delta(content=message.content, tool_calls=calls or None)
-                events.append(self._chunk(delta, None, i, result.logprobs))
+                held = self.holdbacks[i].held if not calls else ""
+                if held or calls:
+                    delta = schemas.Delta(content=held or None, tool_calls=calls or None)
+                    scores = self.held_logprobs[i] if result.logprobs is not None else None
+                    events.append(self._chunk(delta, None, i, scores))
             events.append(self._chunk(schemas.Delta(), reason, i))
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
             events.append(

@@ -120,6 +120,31 @@ def _block(name: str, arguments: dict | str) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
+class CallHoldback:
+    """A streamed answer's text that cannot be part of a call, sent as it comes: what may still
+    begin `<tool_call>` waits for the next text, and from a call's start on everything waits
+    for the end, where the answer is read for calls (`calls_in`)."""
+
+    OPEN = "<tool_call>"
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.calling = False
+
+    def release(self, text: str) -> str:
+        text = self.held + text
+        if not self.calling and (start := text.find(self.OPEN)) >= 0:
+            self.calling = True
+            self.held = text[start:]
+            return text[:start]
+        if self.calling:
+            self.held = text
+            return ""
+        keep = max((n for n in range(1, len(self.OPEN)) if text.endswith(self.OPEN[:n])), default=0)
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+
 def calls_in(text: str, body: schemas.ChatCompletionRequest) -> tuple[str | None, list[schemas.ToolCall]]:
     """The answer's content (None when it is calls only) and the calls of known functions in it."""
     known = {t.function.name for t in body.tools or []}
