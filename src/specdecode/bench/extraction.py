@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
 from importlib import resources
@@ -112,8 +113,7 @@ def _valid(text: str | None, schema: dict) -> bool:
 
 def _table(runs: list, views: dict, requests: list, share: float, new_tokens: int, repeats: int) -> str:
     baseline = {(r.item, r.repeat): r.value.token_ids for r in runs if r.system == "constrained target-only"}
-    totals: dict[str, dict[str, float]] = {name: dict.fromkeys(("tokens", "seconds", "forwards", "forced",
-        "valid", "identical", "requests"), 0.0) for name in views}  # fmt: skip
+    totals: dict[str, defaultdict[str, float]] = {name: defaultdict(float) for name in views}
     for run in runs:
         cell, result = totals[run.system], run.value
         cell["tokens"] += len(result.token_ids)

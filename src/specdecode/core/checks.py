@@ -39,7 +39,6 @@ def check_request(
     num_speculative_tokens: int | None = None,
     most_k: int = MAX_SPECULATIVE_TOKENS,
     logprobs: int | None = None,
-    stop_token_ids: SequenceOf[int] | None = None,
 ) -> tuple[SamplingParams, list[str]]:
     """Every rule of one request's settings: its sampling parameters and stop strings.
     most_k: the most k it may ask (an engine's: the k it was loaded with)."""
@@ -50,7 +49,6 @@ def check_request(
     if num_speculative_tokens is not None:
         check_k(num_speculative_tokens, most_k)
     check_logprobs(logprobs)
-    check_stop_token_ids(stop_token_ids)
     return params, stop_strings
 
 
@@ -63,16 +61,14 @@ def check_logprobs(logprobs: int | None) -> None:
         )
 
 
-def check_stop_token_ids(stop_token_ids: SequenceOf[int] | None, vocab_size: int | None = None) -> None:
-    """At most MAX_STOP_TOKEN_IDS ids, each within the vocabulary once it is known."""
+def check_stop_token_ids(stop_token_ids: SequenceOf[int] | None, vocab_size: int) -> None:
+    """At most MAX_STOP_TOKEN_IDS ids, each within the vocabulary."""
     ids = list(stop_token_ids or [])
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgumentError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids")
-    top = vocab_size if vocab_size is not None else 2**62
-    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < top), None)
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
-        within = f"in [0, {vocab_size})" if vocab_size is not None else "non-negative integers"
-        raise InvalidArgumentError(f"stop_token_ids must be {within}, got {bad}", "stop_token_ids")
+        raise InvalidArgumentError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}", "stop_token_ids")
 
 
 def check_max_new_tokens(max_new_tokens: int) -> None:

@@ -22,10 +22,12 @@ import re
 import uuid
 
 from specdecode.core.constraints import JSON_LAYOUT, Constraint
+from specdecode.core.detokenize import Holdback
 from specdecode.server import schemas
 from specdecode.server.errors import APIError
 
 MAX_TOOLS = 128  # OpenAI's bound on a request's functions
+OPEN = "<tool_call>"
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 INSTRUCTIONS = (
     "You may call these functions, described by JSON schemas of their arguments:\n{tools}\n"
@@ -122,27 +124,32 @@ def _block(name: str, arguments: dict | str) -> str:
 
 class CallHoldback:
     """A streamed answer's text that cannot be part of a call, sent as it comes: what may still
-    begin `<tool_call>` waits for the next text, and from a call's start on everything waits
-    for the end, where the answer is read for calls (`calls_in`)."""
-
-    OPEN = "<tool_call>"
+    begin `<tool_call>` waits for the next text (the stop strings' Holdback, with that one
+    string), and from a call's start on everything waits for the end, where the answer is read
+    for calls (`calls_in`)."""
 
     def __init__(self) -> None:
-        self.held = ""
-        self.calling = False
+        self._start = Holdback([OPEN])
+        self._call: str | None = None  # from the call's start on, once one began
+
+    @property
+    def calling(self) -> bool:
+        return self._call is not None
+
+    @property
+    def held(self) -> str:
+        return self._start.held if self._call is None else self._call
 
     def release(self, text: str) -> str:
-        text = self.held + text
-        if not self.calling and (start := text.find(self.OPEN)) >= 0:
-            self.calling = True
-            self.held = text[start:]
-            return text[:start]
-        if self.calling:
-            self.held = text
+        if self._call is not None:
+            self._call += text
             return ""
-        keep = max((n for n in range(1, len(self.OPEN)) if text.endswith(self.OPEN[:n])), default=0)
-        self.held = text[len(text) - keep :]
-        return text[: len(text) - keep]
+        released = self._start.release(text)
+        start = released.find(OPEN)
+        if start < 0:
+            return released
+        self._call = released[start:] + self._start.held
+        return released[:start]
 
 
 def calls_in(text: str, body: schemas.ChatCompletionRequest) -> tuple[str | None, list[schemas.ToolCall]]:
