@@ -17,9 +17,9 @@ PROMPT ?= Copy this sentence exactly: Speculative decoding lets a small drafter 
 SERVICES := redis-server prometheus
 
 setup: $(STAMP) services
-	$(BIN)/python -c 'from specdecode.runners import tree_attention as t; t.load() or print("warning: no tree attention kernel")'
-	$(BIN)/python -c 'from specdecode.runners import int8_kernel as k; k.load() or print("warning: no w8a8 kernel")'
-	$(BIN)/python -c 'from specdecode.runners import int8_layer as l, int8_kernel as k; l.load() or not k.load() or print("warning: no w8a8 layer kernel")'
+	$(BIN)/python -c 'from specdecode.kernels import tree_attention as t; t.load() or print("warning: no tree attention kernel")'
+	$(BIN)/python -c 'from specdecode.kernels import int8_kernel as k; k.load() or print("warning: no w8a8 kernel")'
+	$(BIN)/python -c 'from specdecode.kernels import int8_layer as l, int8_kernel as k; l.load() or not k.load() or print("warning: no w8a8 layer kernel")'
 
 services:
 	@missing=""; for b in $(SERVICES); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \

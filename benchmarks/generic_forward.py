@@ -30,8 +30,8 @@ import torch
 from specdecode.bench.quality import chunked_perplexity
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.bench.tables import markdown_table
+from specdecode.kernels import int8_layer
 from specdecode.loading import load_model
-from specdecode.runners import int8_layer
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.fast_transformers import FastTransformersRunner
 

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.bench.tables import markdown_table
+from specdecode.kernels import int8_kernel
 from specdecode.loading import DEFAULT_TARGET, give_freed_memory_back, load_model
-from specdecode.runners import int8_kernel
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ SIZES = (1, 8, 16)
 @dataclasses.dataclass(frozen=True)
 class OnPath:
     """The default recipe on one of the slower paths: "layers" (this package's product kernel, the
-    rest of each layer in torch's operations, as before runners/csrc/int8_layer.c), "torch"
+    rest of each layer in torch's operations, as before kernels/csrc/int8_layer.c), "torch"
     (torch's operations around oneDNN's product) or "onednn" (the C quantization and epilogue
     around it)."""
 

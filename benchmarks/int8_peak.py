@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specdecode.bench.scripts import script_parser, write_table
-from specdecode.runners import int8_kernel
+from specdecode.kernels import int8_kernel
 from specdecode.runners.projection import int8_projection, w8a16_projection
 
 PEAK_SOURCE = r"""

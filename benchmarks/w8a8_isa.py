@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from specdecode import cpu
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.bench.tables import markdown_table
+from specdecode.kernels import int8_kernel
 from specdecode.loading import DEFAULT_TARGET, load_model
-from specdecode.runners import int8_kernel
 from specdecode.runners.fast_llama import FastLlamaRunner
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """The package's layers, read from its imports: no cycles, and no import that runs back up.
 
-Layers, lowest first: errors; core (the algorithm, no models); runners, loading and cache (model
-execution); drafters; the decoder; the engine; and on top the server, bench and the CLI.
+Layers, lowest first: errors; core (the algorithm, no models); kernels (C and their bindings);
+runners, loading and cache (model execution); drafters; the decoder; the engine; and on top the server, bench and the CLI.
 A module may import from its own layer or below. Imports inside functions count too.
 """
 
@@ -16,6 +16,7 @@ PACKAGE = Path(specdecode.__file__).parent
 LAYERS = [
     ("specdecode.errors", "specdecode.cpu", "specdecode.precision"),
     ("specdecode.core",),
+    ("specdecode.kernels",),
     ("specdecode.runners", "specdecode.loading", "specdecode.cache"),
     ("specdecode.drafters",),
     ("specdecode.decoder",),
@@ -99,8 +100,9 @@ def test_no_module_imports_from_a_layer_above_its_own():
 
 def test_the_layers_are_read_as_intended():
     assert layer("specdecode.core.verification") == 1
-    assert layer("specdecode.runners.fast_llama") == 2
-    assert layer("specdecode.server.worker") == 6
-    assert layer("specdecode.training.trainer") == 6
+    assert layer("specdecode.kernels.int8_layer") == 2
+    assert layer("specdecode.runners.fast_llama") == 3
+    assert layer("specdecode.server.worker") == 7
+    assert layer("specdecode.training.trainer") == 7
     assert layer("specdecode.precision") == 0
     assert "specdecode.runners.fast_llama" in graph()["specdecode.runners.select"]

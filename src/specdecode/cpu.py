@@ -26,7 +26,7 @@ KERNEL_ENV = (
 )
 
 
-# The builds of this package's int8 kernels (runners/csrc/w8a8.c, int8_layer.c), fastest first, with
+# The builds of this package's int8 kernels (kernels/csrc/w8a8.c, int8_layer.c), fastest first, with
 # the cpuinfo flags each needs: AVX512-VNNI (compiled for this CPU), AVX2 (compiled for x86-64-v3:
 # AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE and what v2 has) and portable C (any CPU). Every build
 # writes the same bits (integer sums, then the same float32 operations in the same order).

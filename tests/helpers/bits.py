@@ -57,7 +57,7 @@ def forced_kernel_isa(isa: str) -> Iterator[None]:
     inside) from the `isa` build, as SPECDECODE_KERNEL_ISA forces it; the choice is made again
     after. Fails where that build is not the one that loads (a test would compare a build with
     itself)."""
-    from specdecode.runners import int8_kernel
+    from specdecode.kernels import int8_kernel
 
     previous, kept = os.environ.get(cpu.KERNEL_ISA_VARIABLE), list(int8_kernel._ready)
     os.environ[cpu.KERNEL_ISA_VARIABLE] = isa

@@ -26,7 +26,8 @@ from helpers.bits import forced_kernel_isa, kernel_isas
 from specdecode import SpeculativeEngine
 from specdecode.cpu import cpu_flags
 from specdecode.drafters import ModelDrafter, PromptLookupDrafter, RecyclingDrafter
-from specdecode.runners import HFModelRunner, int8_layer, projection, runner_for
+from specdecode.kernels import int8_layer
+from specdecode.runners import HFModelRunner, projection, runner_for
 from specdecode.runners import fast_transformers as generic
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.fast_transformers import FastTransformersRunner

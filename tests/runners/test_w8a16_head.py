@@ -20,7 +20,8 @@ from helpers.bits import forced_kernel_isa, kernel_isas
 from specdecode import SpeculativeEngine
 from specdecode.cache.response_cache import runner_variant
 from specdecode.drafters import PromptLookupDrafter
-from specdecode.runners import int8_kernel, projection
+from specdecode.kernels import int8_kernel
+from specdecode.runners import projection
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 from specdecode.runners.projection import W8A16Projection, w8a16_projection
 
@@ -241,7 +242,7 @@ def test_without_the_kernel_the_head_runs_torch_s_operations_with_the_same_bits(
     monkeypatch.setattr(int8_kernel, "_loaded", {})
     monkeypatch.setattr(int8_kernel, "_ready", [])
     monkeypatch.setattr(int8_kernel, "_build", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="specdecode.runners.int8_kernel"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.kernels.int8_kernel"):
         without = runner()
     assert without.lm_head.compensation is None  # plain codes: the torch path
     assert same_bits(without.forward(ids, 3), expected[0]) and same_bits(without.forward(verified, 8), expected[1])

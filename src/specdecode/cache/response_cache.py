@@ -82,7 +82,7 @@ def runner_variant(runner) -> list:
     runner's name alone (what callers outside the engine may have)."""
     if isinstance(runner, str):
         return [runner]
-    from specdecode.runners.int8_kernel import WEIGHT_LIMIT, WIDE_ACTIVATION_LIMIT
+    from specdecode.kernels.int8_kernel import WEIGHT_LIMIT, WIDE_ACTIVATION_LIMIT
     from specdecode.runners.projection import Int8Projection, Projection, W8A16Projection
 
     products: Counter = Counter()

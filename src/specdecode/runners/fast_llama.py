@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specdecode import precision
-from specdecode.runners import int8_layer, smoothing, tree_attention
+from specdecode.kernels import int8_layer, tree_attention
 from specdecode.runners import projection as projections
+from specdecode.runners import smoothing
 from specdecode.runners.attention import attend, per_query_by_default
 from specdecode.runners.projection import (
     CodedEmbedding,
@@ -186,7 +187,7 @@ class FastLlamaRunner(KeepsHiddenStates, StaticCacheRunner):
     call per layer for all of a sequence's queries, each query's result a function of the
     keys it sees alone. A token's logits then depend neither on the tokens verified with it
     nor on the other sequences of a batch, bit for bit (tests/runners/test_fast_runners.py and
-    tests/runners/test_tree_attention.py check both, with negative controls).
+    tests/kernels/test_tree_attention.py check both, with negative controls).
 
     Trees (`parents`): new token i is written at cache slot length + i but rotated at its
     logical position length + depth_i, and sees the cached prefix, then its ancestors among the

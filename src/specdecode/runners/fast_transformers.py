@@ -37,7 +37,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from specdecode import precision
-from specdecode.runners import int8_layer, tree_attention
+from specdecode.kernels import int8_layer, tree_attention
 from specdecode.runners.projection import (
     Int8Projection,
     int8_projection,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from specdecode import precision
 from specdecode.cpu import cpu_flags, has_amx, has_avx512, kernel_isa_forced
-from specdecode.runners import int8_kernel
+from specdecode.kernels import int8_kernel
 from specdecode.runners.opaque import onednn_linear
 
 ONEDNN_ROWS = 16  # the row count oneDNN lays a reordered weight out for (other counts run as fast)
@@ -154,7 +154,7 @@ class Int8Projection:
     Why a row's result cannot depend on the rows beside it: integer sums are exact whatever the
     kernel's blocking or the row count, each sum is multiplied by its column's weight scale (one
     float product per element: one rounding, the same in every kernel), and the row's own scale
-    is applied after, element by element. tests/runners/test_w8a8.py checks it bit for bit, with
+    is applied after, element by element. tests/kernels/test_w8a8.py checks it bit for bit, with
     a negative control (one activation scale for the whole batch), and checks that both kernels
     give the same bits.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.runners import native
+from specdecode.kernels import native
 
 # Loads the tree attention kernel and prints a digest of its output on fixed inputs (checked
 # against SDPA here too), or "unavailable" where load() fell back to torch.
@@ -30,7 +30,7 @@ CHILD = """
 import hashlib, logging, os, sys
 import torch
 import torch.nn.functional as F
-from specdecode.runners import tree_attention
+from specdecode.kernels import tree_attention
 
 logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
 if sys.argv[1] == "no-gcc":

@@ -1,10 +1,10 @@
-"""w8a8's decoder layers in one C call a forward (runners/int8_layer.py, csrc/int8_layer.c): a
+"""w8a8's decoder layers in one C call a forward (kernels/int8_layer.py, csrc/int8_layer.c): a
 token's logits are bitwise the same alone, in a verification chain, in a tree, among other
 sequences' rows, and prefilled or decoded one at a time; its bits are its own (close to the
 torch path's, and named apart in the response cache's fingerprint); without its library the
 layers run on torch operations.
 
-The paths are forced as tests/runners/test_w8a8.py forces them: a runner whose `_int8_layers` is
+The paths are forced as tests/kernels/test_w8a8.py forces them: a runner whose `_int8_layers` is
 None runs the torch path (the state of a runner where the library did not load), and a failing
 `_build` stands for a machine without gcc. The tests run on every build of the kernels this CPU
 runs (the `isa` fixture: AVX512-VNNI, AVX2, portable C), and the builds' logits are compared bit
@@ -24,7 +24,8 @@ from helpers.bits import every_kind_of_forward, forced_kernel_isa, kernel_isas
 from specdecode import SpeculativeEngine
 from specdecode.cache.response_cache import runner_variant
 from specdecode.drafters import PromptLookupDrafter
-from specdecode.runners import int8_kernel, int8_layer, projection
+from specdecode.kernels import int8_kernel, int8_layer
+from specdecode.runners import projection
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 
 EVERY_PRODUCT = Int8Recipe(keep_float=(), smoothing=0.0)
@@ -215,7 +216,7 @@ def test_without_the_library_the_layers_run_on_torch_operations(monkeypatch, cap
     expected = [expected.forward(ids, 3), expected.forward(verified, 8)]
     monkeypatch.setattr(int8_layer, "_loaded", {})
     monkeypatch.setattr(int8_layer, "_build", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="specdecode.runners.int8_layer"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.kernels.int8_layer"):
         without = FastLlamaRunner(head64_llama(0, torch.bfloat16), "w8a8", EVERY_PRODUCT)
     assert caplog.text.count("int8 decoder layer kernel unavailable") == 1
     assert without.layer_kernel is None and without.verifies_trees

@@ -34,7 +34,8 @@ from helpers import (
 from helpers.bits import forced_kernel_isa, kernel_isas
 from specdecode import InvalidArgumentError, SpeculativeEngine, cpu, precision
 from specdecode.drafters import PromptLookupDrafter
-from specdecode.runners import int8_kernel, native, projection
+from specdecode.kernels import int8_kernel, native
+from specdecode.runners import projection
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 from specdecode.runners.projection import Int8Projection, int8_projection, int8_supported
 
@@ -398,7 +399,7 @@ def test_without_the_c_kernel_w8a8_runs_torch_s_operations_with_the_same_bits(mo
     ids, verified = tokens(40), tokens(8, seed=5)
     with_kernels = int8_runner()
     # the layers on torch operations on both sides: the C layers (int8_layer.py, needing the
-    # own product) are their own arithmetic, fingerprinted apart (tests/runners/test_int8_layer.py)
+    # own product) are their own arithmetic, fingerprinted apart (tests/kernels/test_int8_layer.py)
     with_kernels._int8_layers = None
     expected = [with_kernels.forward(ids, 3), with_kernels.forward(verified, 8)]
 
@@ -408,7 +409,7 @@ def test_without_the_c_kernel_w8a8_runs_torch_s_operations_with_the_same_bits(mo
     monkeypatch.setattr(int8_kernel, "_loaded", {})
     monkeypatch.setattr(int8_kernel, "_ready", [])
     monkeypatch.setattr(int8_kernel, "_build", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="specdecode.runners.int8_kernel"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.kernels.int8_kernel"):
         without = int8_runner()
     assert caplog.text.count("w8a8 kernel unavailable") == 1
     assert all(p.compensation is None for layer in without.layers for p in (layer.qkv, layer.o, layer.gate_up))

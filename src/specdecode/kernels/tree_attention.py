@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.runners import native
+from specdecode.kernels import native
 
 log = logging.getLogger(__name__)
 

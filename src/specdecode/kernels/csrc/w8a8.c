@@ -25,7 +25,7 @@
  *   portable     (-DSD_PORTABLE, or any other CPU): plain C, vectorized as the compiler can
  * Every build computes the same exact integer sums (integers add exactly in any order and any
  * lane width) and then the same float32 operations in the same order (w8a8_scalar.h states them
- * for one element), so every build writes the same bits: tests/runners/test_w8a8.py compares
+ * for one element), so every build writes the same bits: tests/kernels/test_w8a8.py compares
  * them on one CPU that runs all three.
  *
  * Compiled with -ffp-contract=off and without -ffast-math (native.py): no multiply is fused
@@ -67,7 +67,7 @@ const char *sd_kernel_isa(void) { return SD_ISA; }
  *   sum_c  = sum_i (code_i - 128) * w_ci            (exact in int32: |sum| < 2^31 for k < 2^16)
  *   sums_c = float32(sum_c) * weight_scale_c        (to nearest even, then one float32 product)
  * then the epilogue above, element by element. oneDNN's kernel writes the same sums_c bit for bit
- * (its integer sums are exact too, and it scales them the same way; tests/runners/test_w8a8.py
+ * (its integer sums are exact too, and it scales them the same way; tests/kernels/test_w8a8.py
  * compares), so the kernels' products are the same bits.
  *
  * The AVX512-VNNI section sums code_i * w_ci and takes off compensation_c = 128 * sum_i w_ci

@@ -9,11 +9,11 @@ w8a8 epilogue.
 The source is built for one instruction set of cpu.KERNEL_ISAS (AVX512-VNNI, AVX2, portable C),
 which cpu.kernel_isa chooses once per process from the CPU's flags, or SPECDECODE_KERNEL_ISA
 forces. Every build gives the same bits (integer sums, then the same float32 operations in the
-same order; tests/runners/test_w8a8.py compares them on a CPU that runs all of them).
+same order; tests/kernels/test_w8a8.py compares them on a CPU that runs all of them).
 
 Each call replaces a sequence of torch operations (projection.quantize_rows_torch, and
 `(sums * row_scales).to(dtype) + bias`) and gives their bits: the same float32 operations in the
-same order, each element on its own (the C file states the arithmetic; tests/runners/test_w8a8.py
+same order, each element on its own (the C file states the arithmetic; tests/kernels/test_w8a8.py
 compares them bit for bit). So a product's results do not depend on which path ran, and the
 response cache's fingerprint does not name it. Without gcc, or if the build fails, `load()`
 returns None (one warning in the log) and the products keep the torch operations.
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from specdecode.cpu import kernel_isa, runnable_kernel_isas
-from specdecode.runners import native
+from specdecode.kernels import native
 
 log = logging.getLogger(__name__)
 

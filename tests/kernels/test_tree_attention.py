@@ -16,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import head64_llama, tiny_causal_lm, tiny_gpt2, tiny_llama
 from specdecode.cache.response_cache import runner_variant
 from specdecode.cpu import cpu_flags
-from specdecode.runners import HFModelRunner, tree_attention
+from specdecode.kernels import tree_attention
+from specdecode.runners import HFModelRunner
 from specdecode.runners.fast_gpt2 import FastGPT2Runner
 from specdecode.runners.fast_llama import FastLlamaRunner
 from specdecode.runners.slots import SlotPool
@@ -353,7 +354,7 @@ def test_without_the_kernel_the_runner_says_it_verifies_no_trees_and_chains_stay
         raise RuntimeError("no gcc on PATH")
 
     monkeypatch.setattr(tree_attention, "_build", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="specdecode.runners.tree_attention"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.kernels.tree_attention"):
         runner = llama_runner(torch.bfloat16)
     assert "tree attention kernel unavailable" in caplog.text
     assert not runner.verifies_trees and runner.per_query_attention and runner.attention_kernel == "sdpa"

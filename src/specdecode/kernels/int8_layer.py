@@ -16,7 +16,7 @@ or among other sequences' rows. The rms norm's sum and silu's exp are the C file
 these are other bits than the torch path's (close: the same model), so the runner runs every
 forward of such a model here, prefills too, and `kernel_identity()` goes into the response
 cache's fingerprint. It is built for the product kernel's instruction set (cpu.kernel_isa), and
-gives the same bits on each (tests/runners/test_int8_layer.py). Without gcc, or if the build
+gives the same bits on each (tests/kernels/test_int8_layer.py). Without gcc, or if the build
 fails, `load()` returns None (one warning) and the layers run on torch operations.
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.runners import int8_kernel, native, tree_attention
+from specdecode.kernels import int8_kernel, native, tree_attention
 
 log = logging.getLogger(__name__)
 
