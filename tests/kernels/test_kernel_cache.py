@@ -160,7 +160,7 @@ def test_another_library_is_an_os_error_not_an_attribute_error():
 
 
 def test_each_instruction_set_has_a_key_of_its_own_and_the_key_reads_the_included_files(tmp_path):
-    """The int8 kernels are built once per instruction set (native.ISA_FLAGS, part of the key),
+    """The int8 kernels are built once per instruction set (builds.ISA_FLAGS, part of the key),
     and from the files their source includes: an edit of an included header builds again."""
     source = native.CSRC / "w8a8.c"
     assert native.sources(source) == (source, native.CSRC / "w8a8_scalar.h")

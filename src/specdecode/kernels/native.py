@@ -1,15 +1,19 @@
-"""The C kernels' build and load (csrc/*.c): compiled on first use, loaded with ctypes.
+"""The C kernels' build and load (csrc/*.c): carried compiled by a wheel, or compiled on first
+use; loaded with ctypes.
 
-A shared library is compiled with gcc for this CPU (-march=native) into a per-user cache
-directory, named by a hash of the source (and the csrc files it includes), the compiler, its
-flags and the CPU's flags, so that a binary built for one CPU never runs on another sharing the
-disk. The int8 kernels are built for one instruction set of cpu.KERNEL_ISAS (ISA_FLAGS: its
-flags, part of that hash), each into a library of its own; cpu.kernel_isa chooses one at run
-time. Beside each library lies its SHA-256 (`<name>.so.sha256`): ctypes would load any file at
-that name, and one cut short by a crash or a full disk kills the process with SIGBUS rather than
-raising, so a cached library is loaded only where its bytes match the digest, and is compiled
-again into place where they do not. The kernels' modules (tree_attention.py, int8_kernel.py,
-int8_layer.py) turn a failure into one warning and their torch path.
+A package installed from a wheel carries each kernel built for each instruction set
+(builds.py, setup.py), and loads the one for this CPU. Elsewhere (a source checkout, or a wheel
+built without a compiler) a shared library is compiled with gcc for this CPU (-march=native)
+into a per-user cache directory, named by a hash of the source (and the csrc files it
+includes), the compiler, its flags and the CPU's flags, so that a binary built for one CPU never
+runs on another sharing the disk. The int8 kernels are built for one instruction set of
+cpu.KERNEL_ISAS (builds.ISA_FLAGS: its flags, part of that hash), each into a library of its
+own; cpu.kernel_isa chooses one at run time. Beside each library lies its SHA-256
+(`<name>.so.sha256`): ctypes would load any file at that name, and one cut short by a crash or a
+full disk kills the process with SIGBUS rather than raising, so a cached library is loaded only
+where its bytes match the digest, and is compiled again into place where they do not. The
+kernels' modules (tree_attention.py, int8_kernel.py, int8_layer.py) turn a failure into one
+warning and their torch path.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import functools
 import hashlib
 import logging
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -27,46 +30,14 @@ from pathlib import Path
 
 import torch
 
-from specdecode.cpu import cpu_flags
+from specdecode.cpu import cpu_flags, runnable_kernel_isas
+from specdecode.kernels import builds
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
-# no FMA contraction, no reassociation: the C expressions are the arithmetic (see the sources)
-FLAGS = ("-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
-# what each build targets: "native" every instruction this CPU has (the tree attention kernel);
-# the int8 kernels' builds (cpu.KERNEL_ISAS) select their C sections by these flags
-ISA_FLAGS = {
-    "native": ("-march=native",),
-    "avx512-vnni": ("-march=native",),  # chosen only where the CPU has AVX512-VNNI
-    # the same instructions on every AVX2 CPU, and none of AVX-512's on CPUs that have it
-    "avx2": ("-march=x86-64-v3",),
-    "portable": ("-march=native", "-DSD_PORTABLE"),  # the plain C sections, vectorized by gcc
-}
-# threads from torch's own OpenMP runtime (GNU libgomp: a kernel's libgomp.so.1 resolves to the
-# copy torch loaded, so both share one pool of threads); a thread count never changes a bit
-OPENMP_FLAGS = ("-fopenmp",)
-
-
-@functools.cache
-def sources(source: Path) -> tuple[Path, ...]:
-    """The source and the files it includes from its folder (`#include "name"`), recursively:
-    what its library is compiled from."""
-    found = [source]
-    for line in source.read_text().splitlines():
-        match = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
-        if match and (source.parent / match.group(1)).exists():
-            found += [path for path in sources(source.parent / match.group(1)) if path not in found]
-    return tuple(found)
-
-
-def _source_bytes(source: Path) -> bytes:
-    return b"".join(path.read_bytes() for path in sources(source))
-
-
-@functools.cache
-def source_hash(source: Path) -> str:
-    return hashlib.sha256(_source_bytes(source)).hexdigest()[:16]
+CSRC = builds.CSRC
+sources = builds.sources
+source_hash = builds.source_hash
 
 
 @functools.cache
@@ -74,14 +45,15 @@ def build_key(source: Path, isa: str = "native") -> str:
     """The sources as this process first read them, with what compiles them (the instruction
     set's flags included) and the CPU they run on."""
     compiler = shutil.which("gcc")
-    parts = [_source_bytes(source).hex(), " ".join(flags(isa)), " ".join(sorted(cpu_flags())), str(compiler)]
+    parts = [builds.source_bytes(source).hex(), " ".join(flags(isa)), " ".join(sorted(cpu_flags())), str(compiler)]
     if compiler is not None:
         parts.append(_compiler_version(compiler))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
 def flags(isa: str = "native") -> tuple[str, ...]:
-    return ("-O3", *ISA_FLAGS[isa], *FLAGS) + (OPENMP_FLAGS if _torch_runs_libgomp() else ())
+    """The compiler's flags for a build on first use (what the key names)."""
+    return builds.compile_flags(builds.ISA_FLAGS[isa], _torch_runs_libgomp())
 
 
 def _torch_runs_libgomp() -> bool:
@@ -140,11 +112,25 @@ def digest_path(library: Path) -> Path:
 
 def build(source: Path, key: str, isa: str = "native") -> Path:
     """The shared library of a source for this key (build_key's for that instruction set): the
-    cached one where its bytes match their recorded digest, else compiled (again) into place."""
+    one an installed wheel carries, else the cached one where its bytes match their recorded
+    digest, else compiled (again) into place."""
+    carried = prebuilt(source, isa)
+    if carried is not None:
+        return carried
     target = library_path(source, key)
     if _verified(target):
         return target
     return _compile(source, target, isa)
+
+
+def prebuilt(source: Path, isa: str = "native") -> Path | None:
+    """The library a wheel carries for this source and instruction set ("native": the fastest
+    this CPU runs), where the package was installed from a wheel (setup.py compiles them), and
+    where torch runs GNU OpenMP, which they were compiled for; None elsewhere, as in a source
+    checkout. pip checks an installed file's digest against the wheel's record."""
+    chosen = runnable_kernel_isas()[0] if isa == "native" else isa
+    library = builds.PREBUILT / builds.prebuilt_name(source, chosen)
+    return library if library.is_file() and _torch_runs_libgomp() else None
 
 
 def _verified(library: Path) -> bool:
@@ -179,7 +165,10 @@ def _compile(source: Path, target: Path, isa: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *flags(isa), "-o", partial, str(source), "-lm"], capture_output=True, text=True, timeout=300
+            builds.compile_command(compiler, source, partial, flags(isa)),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if result.returncode != 0:
             raise RuntimeError(f"gcc failed: {result.stderr.strip()[:500]}")
