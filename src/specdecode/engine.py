@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -83,6 +83,11 @@ class RequestSettings:
     constraint: Constraint | None = None  # a grammar the answer must follow (core/constraints.py)
     adjustments: Adjustments = NO_ADJUSTMENTS  # logit bias and penalties (core/adjustments.py)
     logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest
+
+    def with_budget(self, max_new_tokens: int) -> RequestSettings:
+        """These settings with another most new tokens: the server checks a request before it
+        tokenizes the prompt, and bounds its answer by the room the prompt leaves."""
+        return replace(self, stopping=replace(self.stopping, max_new_tokens=max_new_tokens))
 
     @property
     def fixed_k(self) -> bool:
@@ -315,12 +320,21 @@ class SpeculativeEngine:
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidArgumentError("this model has no chat template; generate without chat (--no-chat)", "chat")
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            assert isinstance(text, str)  # tokenize=False, one conversation: its text
-            return self.tokenizer(text, add_special_tokens=False).input_ids
+            text = self.chat_prompt([{"role": "user", "content": prompt}])
+            return self.tokenizer(text, add_special_tokens=False).input_ids  # the template wrote them
         return self.tokenizer(prompt).input_ids
+
+    def chat_prompt(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
+        """A conversation rendered by the model's chat template, ready for the assistant's answer:
+        text with the template's special tokens in it, to encode without adding more."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as error:  # templates raise on what they do not accept (roles out of order, ...)
+            raise InvalidArgumentError(f"the model's chat template refused the messages: {error}", "messages") from None
+        assert isinstance(text, str)  # tokenize=False, one conversation: its text
+        return text
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

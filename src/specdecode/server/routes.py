@@ -269,10 +269,10 @@ def _generation_requests(
     options = dict(
         min_p=body.min_p, stop_token_ids=body.stop_token_ids or [], adjustments=adjustments, logprobs=logprobs
     )
-    seeds = seeds_for(body.seed, body.n)
-    for seed in seeds:
-        try:
+    try:
+        settings = [
             state.engine.settings(
+                # the room the prompt leaves bounds it on the engine thread, which tokenizes it (worker.py)
                 max_new_tokens=state.context_length if max_tokens is None else max_tokens,
                 temperature=temperature,
                 top_k=top_k,
@@ -283,27 +283,13 @@ def _generation_requests(
                 constraint=constraint,
                 **options,
             )
-        except SpecDecodeError as error:
-            raise APIError(400, str(error), param=names.get(error.param, error.param)) from None
+            for seed in seeds_for(body.seed, body.n)
+        ]
+    except SpecDecodeError as error:
+        raise APIError(400, str(error), param=names.get(error.param, error.param)) from None
     operation = "chat" if isinstance(body, schemas.ChatCompletionRequest) else "text_completion"
     return [
-        GenerationRequest(
-            prompt,
-            max_tokens,
-            temperature,
-            body.top_p,
-            top_k,
-            seed,
-            stop,
-            k,
-            templated=templated,
-            stream=body.stream,
-            operation=operation,
-            messages=messages,
-            constraint=constraint,
-            **options,
-        )
-        for seed in seeds
+        GenerationRequest(prompt, max_tokens, each, templated, body.stream, operation, messages) for each in settings
     ]
 
 
@@ -386,12 +372,9 @@ def _chat_prompt(engine: SpeculativeEngine, body: schemas.ChatCompletionRequest)
     conversation, functions = tools.conversation(body, template)
     if template:
         try:
-            prompt = tokenizer.apply_chat_template(
-                conversation, tools=functions, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as error:  # templates raise on what they do not accept (roles out of order, ...)
-            raise APIError(400, f"the model's chat template refused the messages: {error}", param="messages") from None
-        return conversation, prompt, True
+            return conversation, engine.chat_prompt(conversation, functions), True
+        except SpecDecodeError as error:
+            raise APIError(400, str(error), param=error.param) from None
     # a base model without a template: its contents, one message a line, to be continued
     return conversation, "\n".join(m["content"] for m in conversation), False
 

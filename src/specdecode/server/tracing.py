@@ -244,20 +244,20 @@ def _part(content: str | list[int]) -> dict:
 
 
 def _request_attributes(request, model: str) -> dict:
+    settings = request.settings
     attributes = {
         "gen_ai.operation.name": request.operation,
         "gen_ai.provider.name": "specdecode",
         "gen_ai.request.model": model,
-        "gen_ai.request.temperature": request.temperature,
+        "gen_ai.request.temperature": settings.params.temperature,
         "specdecode.stream": request.stream,
     }
     optional = {
         "gen_ai.request.max_tokens": request.max_tokens,
-        "gen_ai.request.top_p": request.top_p,
-        "gen_ai.request.top_k": request.top_k,
-        "gen_ai.request.seed": request.seed,
-        "gen_ai.request.stop_sequences": request.stop or None,
-        "specdecode.request.num_speculative_tokens": request.num_speculative_tokens,
+        "gen_ai.request.top_p": settings.params.top_p,
+        "gen_ai.request.top_k": settings.params.top_k,
+        "gen_ai.request.seed": settings.seed,
+        "gen_ai.request.stop_sequences": list(settings.stopping.stop_strings) or None,
     }
     return attributes | {key: value for key, value in optional.items() if value is not None}
 

@@ -30,14 +30,12 @@ from dataclasses import dataclass, field
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from specdecode.core.adjustments import NO_ADJUSTMENTS, Adjustments
-from specdecode.core.constraints import Constraint
 from specdecode.core.detokenize import Holdback, IncrementalText
 from specdecode.core.logprobs import TokenLogprob
 from specdecode.decoder import SequenceState
 from specdecode.drafters import candidates_of
 from specdecode.drafters.suffix import SuffixDrafter
-from specdecode.engine import GenerationResult, SpeculativeEngine, make_generator
+from specdecode.engine import GenerationResult, RequestSettings, SpeculativeEngine, make_generator
 from specdecode.errors import ContextLengthError, SpecDecodeError
 from specdecode.server.config import ServerConfig
 from specdecode.server.faults import StepHook
@@ -69,23 +67,15 @@ class WorkerCrashedError(RuntimeError):
 
 @dataclass
 class GenerationRequest:
+    """A request as the worker takes it: checked by the engine (its settings) before it queues."""
+
     prompt: str | list[int]  # text (encoded on the engine thread) or token ids
     max_tokens: int | None  # None: up to the end of the context (max_model_len)
-    temperature: float = 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    num_speculative_tokens: int | None = None  # this request's most k (None: the engine's)
+    settings: RequestSettings  # engine.settings(): sampling, stops, k, constraint, adjustments, logprobs
     templated: bool = False  # the prompt is a rendered chat template: its special tokens are in the text
     stream: bool = False  # publish the text as it is generated
     operation: str = "text_completion"  # gen_ai.operation.name: "chat" or "text_completion"
     messages: list[dict] | None = None  # a chat's messages as sent (spans record them only if asked: tracing.py)
-    constraint: Constraint | None = None  # a grammar the answer follows (structured outputs)
-    min_p: float | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    adjustments: Adjustments = NO_ADJUSTMENTS  # logit bias and penalties
-    logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -113,7 +103,7 @@ class RequestHandle:
         self.streamed_chars = 0
         self.streamed_logprobs = 0  # tokens whose log-probabilities the stream has sent
         self.new_text: IncrementalText | None = None  # a stream's text, decoded as it grows
-        self.holdback = Holdback(request.stop)  # ... less what may still begin a stop string
+        self.holdback = Holdback(request.settings.stopping.stop_strings)  # ... less what may still begin a stop string
         self.on_cancel: Callable[[], None] | None = None  # the waiting room's: leave it at once
         self._loop = asyncio.get_running_loop() if request.stream else None
         self._deltas: asyncio.Queue[TextDelta | None] | None = asyncio.Queue() if request.stream else None
@@ -355,21 +345,8 @@ class EngineWorker:
             # the template wrote the special tokens (BOS included) already; encoding must not add more
             prompt = engine.tokenizer(prompt, add_special_tokens=False).input_ids
         prompt_ids = engine.prompt_token_ids(prompt, chat=False)  # refuses a prompt that leaves no room
-        settings = engine.settings(
-            max_new_tokens=_max_tokens(request.max_tokens, len(prompt_ids), engine.max_model_len),
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=request.stop or None,
-            num_speculative_tokens=request.num_speculative_tokens,
-            constraint=request.constraint,
-            min_p=request.min_p,
-            stop_token_ids=request.stop_token_ids,
-            adjustments=request.adjustments,
-            logprobs=request.logprobs,
-        )
-        return engine.sequence(prompt_ids, settings, make_generator(request.seed), tag=handle)
+        settings = request.settings.with_budget(_max_tokens(request.max_tokens, len(prompt_ids), engine.max_model_len))
+        return engine.sequence(prompt_ids, settings, make_generator(settings.seed), tag=handle)
 
     def _drop_cancelled_and_late(self) -> None:
         now = time.perf_counter()
