@@ -324,9 +324,11 @@ class SpeculativeEngine:
             return self.tokenizer(text, add_special_tokens=False).input_ids  # the template wrote them
         return self.tokenizer(prompt).input_ids
 
-    def chat_prompt(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
+    def chat_prompt(self, conversation: list[dict], tools: list | None = None) -> str:
         """A conversation rendered by the model's chat template, ready for the assistant's answer:
         text with the template's special tokens in it, to encode without adding more."""
+        if self.tokenizer is None:
+            raise InvalidArgumentError("this engine has no tokenizer: pass prompts as lists of token ids", "prompt")
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=True, tokenize=False
