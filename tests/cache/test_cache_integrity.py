@@ -125,6 +125,26 @@ def test_seeded_answers_of_an_unknown_drafter_are_not_cached(bf16_model):
     assert engine.generate([REPEATING], max_new_tokens=8)[0].stats.cached  # greedy: still cached
 
 
+def test_a_drafter_of_ones_own_that_declares_its_identity_has_seeded_answers_cached(bf16_model):
+    class Described(PromptLookupDrafter):
+        """Exact n-grams of one length: its own identity (Drafter.cache_identity) names it."""
+
+        def __init__(self, ngram: int):
+            super().__init__(ngram, ngram)
+
+        def cache_identity(self) -> list:
+            return ["n-grams of one length", self.min_ngram]
+
+    backend = InProcessBackend()
+    answer = engine_on(bf16_model, backend, Described(2)).generate([REPEATING], seed=5, **SAMPLED)[0]
+    assert answer.stats.drafted_tokens > 0 and not answer.stats.cached
+    same = engine_on(bf16_model, backend, Described(2)).generate([REPEATING], seed=5, **SAMPLED)[0]
+    assert same.stats.cached and same.token_ids == answer.token_ids
+    assert not engine_on(bf16_model, backend, Described(1)).generate([REPEATING], seed=5, **SAMPLED)[0].stats.cached
+    plain = engine_on(bf16_model, backend, PromptLookupDrafter(2, 2)).generate([REPEATING], seed=5, **SAMPLED)[0]
+    assert not plain.stats.cached  # the class is part of the identity
+
+
 # --- item 6: the fingerprint covers what changes bits ---
 
 

@@ -79,7 +79,8 @@ class Drafter(Protocol):
     draft model's cache), so the decoder runs them on batches of one sequence. `drafts_trees`
     drafters may propose trees (a target that cannot verify them runs their first path).
     A drafter that declares `hidden_layers` (a draft head) is given the target's hidden states
-    of those layers from the verifying forward (`learn_hidden`).
+    of those layers from the verifying forward (`learn_hidden`). `cache_identity` says what its
+    proposals depend on, for the response cache.
 
     Every drafter subclasses this protocol: the members with a default (no hidden layers, no
     history, chains only, and methods that do nothing) are then its own unless it overrides
@@ -125,3 +126,11 @@ class Drafter(Protocol):
 
     def fork(self) -> Drafter:
         """A drafter with the same settings for one more sequence (only if per_sequence)."""
+
+    def cache_identity(self) -> list | None:
+        """What decides its proposals besides the sequence and the target, JSON-able (its
+        settings, a draft model's fingerprint): the response cache keys seeded samples by it,
+        with the class's name (factory.drafter_identity). None, the default: it cannot say, and
+        its seeded samples are not cached. Only the class that defines it is trusted: a subclass
+        may propose otherwise, so it says what it adds by defining its own."""
+        return None

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdecode.core.sampling import SamplingParams
 from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.identity import runner_fingerprint, tokenizer_digest
 from specdecode.runners import CachedSequence, ModelRunner
 
 TAIL_TOKENS = 4  # target tokens re-encoded with the draft text, so a word split at the boundary merges
@@ -76,6 +77,11 @@ class CrossTokenizerDrafter(Drafter):
         if joined[: len(tail)] == tail:
             return joined[len(tail) :]
         return self.target_tokenizer.encode(new_text, add_special_tokens=False)
+
+    def cache_identity(self) -> list | None:
+        fingerprint = runner_fingerprint(self.runner)
+        tokenizers = [tokenizer_digest(t) for t in (self.draft_tokenizer, self.target_tokenizer)]
+        return None if fingerprint is None or None in tokenizers else [fingerprint, tokenizers]
 
     def fork(self) -> CrossTokenizerDrafter:
         raise TypeError(f"the {self.name} drafter holds one draft-model cache; it cannot be forked")

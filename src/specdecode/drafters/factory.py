@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +9,7 @@ from pathlib import Path
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode import precision
-from specdecode.cache import DraftStore, model_fingerprint
+from specdecode.cache import DraftStore
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
@@ -224,45 +222,14 @@ def _draft_model_drafter(
     return ModelDrafter(draft_runner, options.min_confidence, tree=verifies_trees(target))
 
 
-# a draft runner's fingerprint, computed once (it reads every weight)
-_draft_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def drafter_identity(drafter: Drafter) -> list | None:
     """What decides a drafter's proposals, and so which random numbers a seeded sample draws:
-    its kind and settings (DrafterOptions as the drafter holds them), and a draft model's
-    fingerprint (weights, runner, kernels: cache.model_fingerprint) and tokenizers. The
-    response cache keys seeded samples by it. None for a drafter it cannot describe (one that
-    depends on history, or a class of one's own): its seeded samples are not cached. A drafter
-    class of one's own opts in with a `cache_identity()` method that returns a JSON-able value
-    naming everything its proposals depend on."""
-    own = getattr(drafter, "cache_identity", None)
-    if callable(own):
-        return [f"{type(drafter).__module__}.{type(drafter).__qualname__}", own()]
-    if getattr(drafter, "depends_on_history", False):
+    its class and what it declares (Drafter.cache_identity). The response cache keys seeded
+    samples by it. None for a drafter that depends on history, or that cannot describe itself
+    (its class does not define cache_identity: a subclass may propose otherwise than the class
+    it extends): its seeded samples are not cached."""
+    kind = type(drafter)
+    if drafter.depends_on_history or "cache_identity" not in vars(kind):
         return None
-    kind = type(drafter)  # exactly these classes: a subclass may propose otherwise
-    if kind is PromptLookupDrafter:
-        tree = ["tree"] if drafter.drafts_trees else []  # a tree proposes other tokens than a chain
-        return [drafter.name, drafter.min_ngram, drafter.max_ngram, drafter.max_continuation, *tree]
-    if kind is ModelDrafter:
-        fingerprint = _runner_fingerprint(drafter.runner)
-        return None if fingerprint is None else [drafter.name, drafter.min_confidence, fingerprint]
-    if kind is CrossTokenizerDrafter:
-        fingerprint = _runner_fingerprint(drafter.runner)
-        tokenizers = [_tokenizer_digest(t) for t in (drafter.draft_tokenizer, drafter.target_tokenizer)]
-        return None if fingerprint is None or None in tokenizers else [drafter.name, fingerprint, tokenizers]
-    return None
-
-
-def _runner_fingerprint(runner: ModelRunner) -> str | None:
-    if runner not in _draft_fingerprints:
-        model = getattr(runner, "model", None)
-        _draft_fingerprints[runner] = model_fingerprint(model, runner, None) if model is not None else None
-    return _draft_fingerprints[runner]
-
-
-def _tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """A fast tokenizer's whole definition (vocabulary, merges, normalizer): how it splits text."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return hashlib.blake2b(backend.to_str().encode(), digest_size=16).hexdigest() if backend is not None else None
+    own = drafter.cache_identity()
+    return None if own is None else [f"{kind.__module__}.{kind.__qualname__}", own]

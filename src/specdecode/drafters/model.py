@@ -16,6 +16,7 @@ import torch
 
 from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.identity import runner_fingerprint
 from specdecode.drafters.tree import TreeBuilder
 from specdecode.runners import CachedSequence, ModelRunner
 
@@ -113,6 +114,10 @@ class ModelDrafter(Drafter):
 
     def learn(self, token_ids: list[int], draft: Draft, logits: torch.Tensor) -> None:
         pass
+
+    def cache_identity(self) -> list | None:
+        fingerprint = runner_fingerprint(self.runner)
+        return None if fingerprint is None else [self.min_confidence, fingerprint]
 
     def fork(self) -> ModelDrafter:
         raise TypeError(f"the {self.name} drafter holds one draft-model cache; it cannot be forked")

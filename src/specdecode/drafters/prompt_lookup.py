@@ -68,6 +68,10 @@ class PromptLookupDrafter(Drafter):
         self._history = TokenHistory(history_tokens)  # shared with forks
         self._last: list[int] = []  # the latest sequence seen, not yet in the history
 
+    def cache_identity(self) -> list:
+        tree = ["tree"] if self.drafts_trees else []  # a tree proposes other tokens than a chain
+        return [self.min_ngram, self.max_ngram, self.max_continuation, *tree]
+
     def fork(self) -> PromptLookupDrafter:
         """A drafter for another sequence generated alongside (batching): same settings, and
         the same history, to which every sequence adds its text when it finishes."""
