@@ -1,4 +1,4 @@
-"""A draft head on Spec-Bench prompts, in one run: target-only against today's `auto` without a
+"""A draft head on Spec-Bench prompts, in one run: target-only against `auto` without a
 head, `auto` with the head, and the head alone.
 
 The head never saw these prompts: it trained on instructions the target wrote itself (Magpie)

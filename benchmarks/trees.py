@@ -6,7 +6,7 @@ ones, where it copies or edits the prompt. Every system runs every prompt, inter
 prompt (the machine is shared and noisy), best of `--repeats` per prompt; every output is
 checked against target-only decoding of the same engine (same precision). Systems:
 - target-only;
-- prompt-lookup: today's default drafter on open prompts (chains, adaptive k);
+- prompt-lookup: the default drafter before trees on open prompts (chains, adaptive k);
 - recycling: the target's own predictions as a tree (drafters/recycling.py), adaptive size;
   its table is shared by the requests, so it starts empty and learns from the measured prompts
   that came before (never from the same prompt: each repeat starts from the table as it was);
@@ -22,7 +22,7 @@ measured prompts are replayed through the recycling drafter, its table written f
 answer's true path only (a lower bound: the engine also writes the rejected nodes' rows). It
 prints each tree depth's acceptance by rank, fitted on the tuning answers (the prior that
 shapes the tree: RANK_ACCEPTANCE in drafters/recycling.py), and the measured prompts' tokens
-per forward with today's prior and the fitted one, for several tree sizes, with the table
+per forward with the shipped prior and the fitted one, for several tree sizes, with the table
 cold and warmed by the tuning answers.
 
     .venv/bin/python benchmarks/trees.py --replay 40 [--new-tokens 64]

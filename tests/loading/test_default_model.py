@@ -103,8 +103,9 @@ def test_batched_greedy_output_equals_transformers_generate_on_the_real_model(en
 def test_bfloat16_batches_and_speculation_reproduce_bfloat16_target_only_decoding():
     """In bfloat16 a token's logits must not depend on what shares its forward: the first 10
     prompts of the shipped Spec-Bench subset, 16 tokens each, speculative alone and batched
-    (8 at a time) against target-only decoding one prompt at a time. On an AMD EPYC without
-    AMX this failed (prompt 6 of 10, batched) before one-row products were padded to two."""
+    (8 at a time) against target-only decoding one prompt at a time. Without AMX, oneDNN rounds
+    a one-row product otherwise than a row of a larger one: this failed (prompt 6 of 10, batched)
+    before one-row products were padded to two."""
     import json
 
     from specdecode.bench.prompts import default_prompt_file

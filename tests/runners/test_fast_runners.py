@@ -124,7 +124,7 @@ def half_precision_llama(dtype: torch.dtype = torch.bfloat16, hidden: int = 64, 
 # remove, as the CPUs they were measured on round it; other CPUs' kernels may round those
 # calls alike by chance, so there the controls are skipped (the exactness checks still run).
 # Batched attention was seen to differ on AMX CPUs and, since queries of a key/value head
-# share one call (attention._sdpa), on an AMD EPYC with AVX512-BF16.
+# share one call (attention._sdpa), on CPUs with AVX512-BF16 and no AMX.
 AMX = "amx_bf16" in cpu_flags()
 needs_amx = pytest.mark.skipif(not AMX, reason="the negative control was measured on an AMX CPU")
 needs_bf16_cpu = pytest.mark.skipif(

@@ -213,3 +213,35 @@ def test_train_draft_interrupted_in_its_data_phase_and_run_again_ends_as_an_unin
     assert isinstance(result.exception, Interrupted) and lines(tmp_path / "cut" / datafiles.ANSWERS) == 2
     monkeypatch.setattr(data, "answer_batch", answer_batch)
     assert train_draft(tmp_path / "cut") == whole
+
+
+def base_engine(bos: bool) -> SpeculativeEngine:
+    """The tiny Llama as a base model: no chat template, and a beginning-of-sequence token or none."""
+    words = ["<eos>", "<unk>", "\n", "<bos>"] + [f"w{i}" for i in range(20)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = dict(eos_token="<eos>", unk_token="<unk>") | (dict(bos_token="<bos>") if bos else {})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+    target = tiny_llama(seed=3, vocab_size=24, max_positions=256, init=0.3)
+    return SpeculativeEngine(target, tokenizer, drafter=None, runner="transformers")
+
+
+def test_a_base_model_writes_first_lines_after_its_beginning_of_sequence_and_continues_them(tmp_path):
+    engine = base_engine(bos=True)
+    assert data.magpie_prefix(engine) == [engine.tokenizer.bos_token_id]
+    settings = replace(datafiles.data_settings(engine, 8, None, HELD_OUT, 0, 8, chat=False), magpie_max_tokens=16)
+    samples = datafiles.make_data(engine, tmp_path, replace(settings, batch_size=4), None, HELD_OUT, Progress(), False)
+    lines = [
+        t
+        for line in (tmp_path / datafiles.INSTRUCTIONS).read_text().splitlines()
+        for t in json.loads(line)["instructions"]
+    ]
+    assert len(samples) == 8 and all(s.answer_ids for s in samples)
+    # each prompt is a line the model wrote, as plain text (no template): its answer continues it
+    assert {tuple(s.prompt_ids) for s in samples} <= {tuple(engine.tokenizer(line).input_ids) for line in lines}
+
+
+def test_a_base_model_without_a_beginning_of_sequence_token_is_asked_for_prompts():
+    with pytest.raises(InvalidArgumentError, match="--prompts") as error:
+        data.magpie_prefix(base_engine(bos=False))
+    assert error.value.param == "target"

@@ -331,8 +331,8 @@ def drafting_kind(fast: DraftHead) -> str:
 
 def for_drafting(head: DraftHead) -> DraftHead:
     """A frozen copy of head that drafts several times faster: every product on drafting_product
-    (on one AMD EPYC with AVX512-VNNI a head forward of one row took 2.2 ms with nn.Linear's
-    float32 products; benchmarks/results/draft-head-products.md). The trained head is left as it
+    (nn.Linear's float32 products make a one-row head forward several times slower:
+    benchmarks/results/draft-head-products.md). The trained head is left as it
     is (training and saving use it); the frozen buffers are shared."""
     fast = copy.copy(head)  # a shallow copy: its own module table below, the buffers shared
     fast._modules = dict(head._modules)

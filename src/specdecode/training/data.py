@@ -4,8 +4,10 @@ head learns the target's distribution rather than a corpus's.
 
 Magpie: the chat target is given only its template's user prefix (for SmolLM2, the default
 system turn and `<|im_start|>user\\n`) and samples what it writes there, up to a newline: a
-plausible instruction. Instructions are deduplicated, and held-out prompts (`evaluate.py`) are
-never trained on; a Spec-Bench file is refused (the benchmark measures what the head never saw).
+plausible instruction. A base model (no chat template, as Gemma-3-270M) is given its
+beginning-of-sequence token alone and writes a text's first line, which its answers continue.
+Instructions are deduplicated, and held-out prompts (`evaluate.py`) are never trained on; a
+Spec-Bench file is refused (the benchmark measures what the head never saw).
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ class Sample:
 
 def user_prefix(tokenizer) -> str:
     """The text a chat template puts before a user's first message (a default system turn included)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidArgumentError("Magpie needs a chat model (a chat template): give --prompts FILE", "target")
     text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False)
     return text[: text.index(MARKER)]
 
@@ -72,7 +72,19 @@ def magpie_instructions(
 
 
 def magpie_prefix(engine) -> list[int]:
-    return engine.tokenizer(user_prefix(engine.tokenizer), add_special_tokens=False).input_ids
+    """What the target writes an instruction after: a chat model's user prefix; a base model's
+    beginning of sequence alone, after which it writes the first line of a text of its own (the
+    answers then continue that line)."""
+    tokenizer = engine.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer(user_prefix(tokenizer), add_special_tokens=False).input_ids
+    if tokenizer.bos_token_id is None:
+        raise InvalidArgumentError(
+            "this base model has no chat template and no beginning-of-sequence token to write its own prompts "
+            "after: give --prompts FILE",
+            "target",
+        )
+    return [tokenizer.bos_token_id]
 
 
 def magpie_batch(engine, prefix: list[int], rows: int, seed: int, max_tokens: int, batch_size: int) -> list:
