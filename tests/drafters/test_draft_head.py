@@ -65,6 +65,7 @@ from specdecode.drafters.head import (
 from specdecode.errors import InvalidArgumentError
 from specdecode.runners import HFModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
+from specdecode.runners.fast_transformers import FastTransformersRunner
 from specdecode.runners.projection import int8_supported
 from specdecode.training import TrainConfig, data, trainer
 from specdecode.training.evaluate import held_out_acceptance
@@ -149,6 +150,18 @@ def test_greedy_with_the_head_equals_transformers_generate(tiny):
     target, engine, head, _, _ = tiny
     view = engine.with_drafter(HeadDrafter(head), num_speculative_tokens=3, adaptive=False)  # k pinned
     results = view.generate(GREEDY_PROMPTS, max_new_tokens=30)
+    for prompt, result in zip(GREEDY_PROMPTS, results):
+        assert result.token_ids == hf_greedy(target, prompt, 30), prompt
+    assert_drafted_and_accepted(results)
+
+
+def test_greedy_with_the_head_on_the_generic_fast_runner_equals_transformers_generate(tiny):
+    """The generic runner's torch path keeps hidden states through its layers' hooks; the
+    decoder runs each sequence on a slot, a copy of the runner, which must get them too."""
+    target, _, head, _, _ = tiny
+    engine = SpeculativeEngine(FastTransformersRunner(target), drafter=HeadDrafter(head), num_speculative_tokens=3)
+    assert engine.target_runner._c_layers is None  # float32: the torch path
+    results = engine.generate(GREEDY_PROMPTS, max_new_tokens=30)
     for prompt, result in zip(GREEDY_PROMPTS, results):
         assert result.token_ids == hf_greedy(target, prompt, 30), prompt
     assert_drafted_and_accepted(results)

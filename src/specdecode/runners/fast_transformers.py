@@ -446,12 +446,15 @@ class FastTransformersRunner(KeepsHiddenStates, StaticCacheRunner):
         if self._c_layers is not None:
             x, kept = self._c_forward(ids, positions, sequences)
         else:
-            self._kept = {}
+            # the layers' hooks write into the dict of the runner that registered them, which a
+            # slot (a shallow copy) shares: emptied in place, never replaced
+            self._kept.clear()
             forward = _Forward(self._kernel, sequences, sum(sizes))
             x = self.decoder(
                 input_ids=ids, position_ids=positions, use_cache=False, specdecode_forward=forward
             ).last_hidden_state[0]  # [total, hidden], after the final norm
-            kept, self._kept = self._kept, {}
+            kept = dict(self._kept)
+            self._kept.clear()
         self.hidden = list(torch.stack([kept[i] for i in keep], dim=1).split(sizes)) if keep else None
         for s, p in zip(sequences, parents):
             s.cache.advance(s.n, None if p is None else p.tolist())
