@@ -1,7 +1,8 @@
 """`specdecode train-draft`: data, features, training and a held-out summary, in one command.
 
 Everything it writes goes to --output: the data, chunk by chunk, and data.jsonl (datafiles.py:
-a rerun goes on where an interrupted one stopped), checkpoint.pt (trainer.py), the head
+a rerun goes on where an interrupted one stopped), the target's features, chunk by chunk
+(featurefiles.py, resumed the same way), checkpoint.pt (trainer.py), the head
 (config.json, head.safetensors, vocabulary.json) and summary.json. Run again with the same
 options after an interruption, it ends with the data and the weights of an uninterrupted run;
 --restart discards what an earlier run left, --restart-training only its checkpoint.
@@ -24,9 +25,8 @@ from specdecode.drafters.head import DraftHead, eagle3_layers, head_config, new_
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
-from specdecode.training import data, datafiles, trainer
+from specdecode.training import data, datafiles, featurefiles, trainer
 from specdecode.training.evaluate import HELD_OUT, held_out_acceptance
-from specdecode.training.features import collect
 from specdecode.training.trainer import TrainConfig, train
 
 FEATURES = ("last", "eagle3")  # the last layer's output; or entering layers 2, L/2, L - 3
@@ -83,7 +83,9 @@ def train_draft(
         head = new_head(model, head_config(model, layers, len(vocabulary), name), vocabulary, config.seed)
         start = time.perf_counter()
         task = bars.add_task("target features", total=len(chosen))
-        examples = collect(engine.target_runner, chosen, layers, max_length, lambda i: bars.update(task, completed=i))
+        identity = [settings.target, settings.dtype, settings.runner]
+        progress = lambda i: bars.update(task, completed=i)  # noqa: E731
+        examples = featurefiles.collect_in(output, engine.target_runner, chosen, layers, max_length, identity, progress)
         timings["features_s"] = time.perf_counter() - start
         start = time.perf_counter()
         task = bars.add_task(f"training ({config.loss})", total=None)
