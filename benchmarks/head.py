@@ -21,7 +21,7 @@ auto + head drafting chains (drawn from q when sampling: what the head did befor
 temperatures 0, 0.7 and 1, interleaved per prompt and seed, on SAMPLING_PROMPTS (written for
 the scripts); each cell sums tokens and seconds over the prompts and seeds.
 
-    .venv/bin/python benchmarks/head.py --head DIR [--prompts ../shared/specbench/question.jsonl]
+    .venv/bin/python benchmarks/head.py --head DIR [--target NAME] [--prompts ../shared/specbench/question.jsonl]
         [--prompts-per-category 2] [--max-new-tokens 64] [--repeats 1] [-k 8] [--linear-head] [--out FILE]
     .venv/bin/python benchmarks/head.py --head DIR --products [--out FILE]
     .venv/bin/python benchmarks/head.py --head DIR --draft-cost [--dtype auto] [--quantization w8a8] [--out FILE]
@@ -42,6 +42,7 @@ from specdecode.bench.scripts import script_parser, write_table
 from specdecode.drafters.auto import candidates_of
 from specdecode.drafters.factory import DrafterOptions, make_drafter
 from specdecode.drafters.head import HeadDrafter, drafting_kind, for_drafting, load_head
+from specdecode.loading import DEFAULT_TARGET
 
 NO_CACHE = CacheOptions(response_cache=False, draft_store=False)
 DRAFT_COST_PROMPTS = OPEN_CHAT_PROMPTS[:4]
@@ -104,8 +105,13 @@ def products(args) -> str:
 
 def engine_for(args) -> SpeculativeEngine:
     return SpeculativeEngine.from_pretrained(
-        device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none", quantization=args.quantization
+        args.target, device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none", quantization=args.quantization
     )
+
+
+def chat(engine: SpeculativeEngine) -> bool:
+    """Prompts through the chat template where the model has one; a base model's as plain text."""
+    return bool(getattr(engine.tokenizer, "chat_template", None))
 
 
 class _TimedHead(HeadDrafter):
@@ -187,7 +193,7 @@ def sampling(args) -> str:
                     total[2] += result.stats.target_forwards
         print(temperature, {n: round(t[0] / t[1], 1) for (tt, n), t in totals.items() if tt == temperature}, flush=True)
     lines = [
-        f"Default model, {base.precision}, {torch.get_num_threads()} threads, {cpu_name()}; {args.max_new_tokens} new "
+        f"{args.target}, {base.precision}, {torch.get_num_threads()} threads, {cpu_name()}; {args.max_new_tokens} new "
         f"tokens, chat template, {len(prompts)} prompts (SAMPLING_PROMPTS) x {args.repeats} seeds, systems interleaved; "
         f"k (tree nodes) at most {args.k}, adaptive; head {args.head}.",
         "",
@@ -213,10 +219,10 @@ def run(args) -> str:
     engines = systems(base, args.head, args.k, args.linear_head)
     prompts = select_prompts(load_prompts(args.prompts), per_category=args.prompts_per_category)
     for engine in engines.values():  # warm the shapes each system runs
-        engine.generate(["Say hello."], max_new_tokens=16, chat=True)
+        engine.generate(["Say hello."], max_new_tokens=16, chat=chat(base))
     rows: dict[tuple[str, str], list] = {}
     for prompt in prompts:
-        ids = base.encode(prompt.text, chat=True)
+        ids = base.encode(prompt.text, chat=chat(base))
         best: dict[str, object] = {}
         for _ in range(args.repeats):
             for name, engine in engines.items():
@@ -236,8 +242,9 @@ def report(rows: dict, base: SpeculativeEngine, args) -> str:
     names = list(dict.fromkeys(name for _, name in rows))
     categories = list(dict.fromkeys(category for category, _ in rows))
     lines = [
-        f"Default model, {base.precision}, {torch.get_num_threads()} threads, {cpu_name()}; greedy, "
-        f"{args.max_new_tokens} new tokens, chat template, best of {args.repeats} per prompt, systems interleaved "
+        f"{args.target}, {base.precision}, {torch.get_num_threads()} threads, {cpu_name()}; greedy, "
+        f"{args.max_new_tokens} new tokens, {'chat template' if chat(base) else 'plain text'}, best of {args.repeats} "
+        "per prompt, systems interleaved "
         f"per prompt, caches off; k (tree nodes) at most {args.k}; head {args.head}.",
         "",
         "Each cell: speed against target-only (mean of the prompts' tokens per second, ratio), then tokens per "
@@ -264,6 +271,7 @@ def report(rows: dict, base: SpeculativeEngine, args) -> str:
 def main() -> None:
     parser = script_parser(__doc__, max_new_tokens=64, k=8, repeats=1, prompts_per_category=2, dtype="auto")
     parser.add_argument("--head", required=True, help="the head's folder (specdecode train-draft --output)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="the target model [default: %(default)s]")
     parser.add_argument("--prompts", default=None, help="JSONL prompts [default: the shipped Spec-Bench subset]")
     parser.add_argument("--linear-head", action="store_true", help="also auto + head on nn.Linear products")
     parser.add_argument("--products", action="store_true", help="time the head's forward instead")
