@@ -7,6 +7,7 @@ field, and the server goes on."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import httpx
 import pytest
@@ -84,24 +85,63 @@ def test_a_named_function_is_called_with_arguments_of_its_schema(client, referen
     assert tools.calls_in(expected.text, body)[1][0].function.arguments == call.function.arguments
 
 
-def test_required_calls_stream_as_they_answer_whole(client):
+def test_required_calls_are_of_the_tools(client):
     asked = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200)
     whole = client.chat.completions.create(**asked, temperature=0).choices[0]
-    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+    assert whole.finish_reason in ("tool_calls", "length") and whole.message.tool_calls
     for call in whole.message.tool_calls:
         assert call.function.name in ("get_weather", "get_time")
         assert call.function.name != "get_weather" or follows_weather(call.function.arguments)
-    calls, reason = [], None
-    for chunk in client.chat.completions.create(**asked, temperature=0, stream=True):
-        for choice in chunk.choices:
-            calls += choice.delta.tool_calls or []
-            reason = choice.finish_reason or reason
-    assert reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in calls] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
-    ]
     single = client.chat.completions.create(**asked, temperature=0.9, seed=1, parallel_tool_calls=False)
     assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_required_calls_stream_as_they_answer_whole(client):
+    asked = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=200)
+    asked |= dict(parallel_tool_calls=False)  # one call, bounded by its schema: the answer ends
+    whole = client.chat.completions.create(**asked, temperature=0).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
+    pieces, reason = [], None
+    for chunk in client.chat.completions.create(**asked, temperature=0, stream=True):
+        for choice in chunk.choices:
+            pieces += choice.delta.tool_calls or []
+            reason = choice.finish_reason or reason
+    assert reason == "tool_calls"
+    assert joined(pieces) == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    # each call opens with its id and name, then its arguments come as they are written
+    assert max(Counter(p.index for p in pieces).values()) > 2
+
+
+def joined(pieces) -> list[tuple[str, str]]:
+    """A stream's tool-call pieces joined by index, as a client joins them: (name, arguments)."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        if piece.index not in calls:  # a call's first piece names it
+            assert piece.id.startswith("call_") and piece.type == "function" and piece.function.name
+            calls[piece.index] = [piece.function.name, ""]
+        else:
+            assert piece.id is None and piece.function.name is None
+        calls[piece.index][1] += piece.function.arguments or ""
+    assert list(calls) == list(range(len(calls)))
+    return [(name, arguments) for name, arguments in calls.values()]
+
+
+CALLS = (
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "O\\"s}lo", "unit": "c"}}</tool_call>\n'
+    '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 13, len(CALLS)])
+def test_calls_stream_in_pieces_that_join_into_the_calls_of_the_whole_answer(size):
+    body = schemas.ChatCompletionRequest(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME])
+    stream, pieces = tools.CallStream(), []
+    for start in range(0, len(CALLS), size):
+        pieces += stream.release(CALLS[start : start + size])
+    whole = tools.calls_in(CALLS, body)[1]
+    assert joined(pieces) == [(c.function.name, c.function.arguments) for c in whole]
+    assert json.loads(whole[0].function.arguments) == {"city": 'O"s}lo', "unit": "c"}  # a quote, a brace: text
+    assert stream.calls == 2
 
 
 def test_auto_and_none_answer_text_when_the_model_writes_no_call(client):

@@ -143,15 +143,18 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
 
 
 class _ChatAnswer:
-    """A chat request's answer, whole or as chunks. With tools that may be called, a stream
-    sends its text as it comes until a call may begin; the rest is held until the end, when the
-    answer is read for calls (tools.py)."""
+    """A chat request's answer, whole or as chunks. With tools that may be called ("auto"), a
+    stream sends its text as it comes until a call may begin; the rest is held until the end,
+    when the answer is read for calls. Where the answer is calls by its grammar ("required", a
+    named function), a stream sends each call as it is written (tools.py)."""
 
     def __init__(self, body: schemas.ChatCompletionRequest, tool_choice: str | None, text, model: str):
         self.body, self.text = body, text
         self.reads_calls = tool_choice not in (None, "none")
+        self.streams_calls = tool_choice not in (None, "none", "auto")
         self.head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
         self.holdbacks = [tools.CallHoldback() for _ in range(body.n)]  # each choice's, with tools
+        self.call_streams = [tools.CallStream() for _ in range(body.n)]
         self.held_logprobs: list[list[TokenLogprob]] = [[] for _ in range(body.n)]
 
     def message(self, result: GenerationResult) -> tuple[schemas.AssistantMessage, str]:
@@ -161,7 +164,9 @@ class _ChatAnswer:
         content, calls = tools.calls_in(result.text or "", self.body)
         if not calls:
             return schemas.AssistantMessage(content=result.text), result.finish_reason
-        return schemas.AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+        # an answer cut short (max_tokens) says so, as OpenAI's does, whatever calls it finished
+        reason = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+        return schemas.AssistantMessage(content=content, tool_calls=calls), reason
 
     def choice(self, index: int, result: GenerationResult) -> schemas.ChatChoice:
         message, reason = self.message(result)
@@ -179,10 +184,12 @@ class _ChatAnswer:
     ) -> schemas.ChatCompletionChunk | None:
         if self.reads_calls and delta and role is None:
             self.held_logprobs[index] += logprobs or []
-            delta = self.holdbacks[index].release(delta)
-            if not delta:
+            calls = self.call_streams[index].release(delta) if self.streams_calls else []
+            delta = None if self.streams_calls else self.holdbacks[index].release(delta)
+            if not delta and not calls:
                 return None  # held: it may be, or is, a call
             logprobs, self.held_logprobs[index] = self.held_logprobs[index], []
+            return self._chunk(schemas.Delta(content=delta, tool_calls=calls or None), reason, index, logprobs)
         return self._chunk(schemas.Delta(role=role, content=delta), reason, index, logprobs)
 
     def _chunk(
@@ -197,10 +204,13 @@ class _ChatAnswer:
         events = []
         for i, result in enumerate(results):
             reason = result.finish_reason
-            if self.reads_calls:  # what was held: the calls, or text that is none
+            if self.streams_calls:  # sent as they were written
+                reason = self.message(result)[1]
+            elif self.reads_calls:  # what was held: the calls, or text that is none
                 message, reason = self.message(result)
                 calls = [
-                    schemas.ToolCallDelta(index=n, **c.model_dump()) for n, c in enumerate(message.tool_calls or [])
+                    schemas.ToolCallDelta(index=n, id=c.id, type=c.type, function=c.function.model_dump())
+                    for n, c in enumerate(message.tool_calls or [])
                 ]
                 held = self.holdbacks[i].held if not calls else ""
                 if held or calls:

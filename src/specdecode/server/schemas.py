@@ -253,8 +253,19 @@ class ChatCompletionResponse(BaseModel):
     speculative: dict | list[dict] | None = None
 
 
-class ToolCallDelta(ToolCall):
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # a piece of the arguments' JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first of a call names it (id, type, name), the others carry
+    its arguments' text as it is written; a client joins them by index."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class Delta(BaseModel):

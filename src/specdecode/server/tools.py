@@ -29,6 +29,8 @@ from specdecode.server.errors import APIError
 MAX_TOOLS = 128  # OpenAI's bound on a request's functions
 OPEN = "<tool_call>"
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# a call's opening up to its arguments, as the calls' grammar writes it (name first)
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 INSTRUCTIONS = (
     "You may call these functions, described by JSON schemas of their arguments:\n{tools}\n"
     'To call one, answer with <tool_call>{{"name": NAME, "arguments": ARGUMENTS}}</tool_call>, '
@@ -152,6 +154,79 @@ class CallHoldback:
         return released[:start]
 
 
+class CallStream:
+    """The calls of an answer under the calls' grammar (tool_choice "required" or a named
+    function: calls only, each valid), streamed as OpenAI streams them: a call's id and name once
+    its opening is written, then its arguments' JSON text as it comes. The pieces of a call's
+    arguments join into the text `calls_in` reads from the whole answer."""
+
+    def __init__(self) -> None:
+        self.text, self.at, self.calls = "", 0, 0
+        self._arguments: _JsonEnd | None = None  # within a call's arguments
+
+    def release(self, text: str) -> list[schemas.ToolCallDelta]:
+        self.text += text
+        deltas: list[schemas.ToolCallDelta] = []
+        while (delta := self._arguments_piece() if self._arguments else self._opening()) is not None:
+            deltas.append(delta)
+        return deltas
+
+    def _opening(self) -> schemas.ToolCallDelta | None:
+        start = self.text.find(OPEN, self.at)
+        header = HEADER.match(self.text, start + len(OPEN)) if start >= 0 else None
+        if header is None or header.end() == len(self.text):  # its end is not written yet
+            return None
+        self.at, self._arguments = header.end(), _JsonEnd()
+        function = schemas.FunctionCallDelta(name=json.loads(f'"{header.group(1)}"'), arguments="")
+        return schemas.ToolCallDelta(index=self.calls, id=_call_id(), type="function", function=function)
+
+    def _arguments_piece(self) -> schemas.ToolCallDelta | None:
+        assert self._arguments is not None
+        if self.at == len(self.text):
+            return None
+        end = self._arguments.feed(self.text, self.at)
+        piece, self.at = self.text[self.at : end], end
+        index = self.calls
+        if self._arguments.done:
+            self._arguments, self.calls = None, self.calls + 1
+        return schemas.ToolCallDelta(index=index, function=schemas.FunctionCallDelta(arguments=piece))
+
+
+class _JsonEnd:
+    """Where a JSON value written piece by piece ends: its brackets' depth, outside strings."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped, self.done = 0, False, False, False
+
+    def feed(self, text: str, start: int) -> int:
+        """Reads text from start; the index after the value's last character, or len(text)."""
+        for i in range(start, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+                    if self.depth == 0:  # a string value
+                        self.done = True
+                        return i + 1
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]" and self.depth > 0:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+            elif self.depth == 0 and c in ",}":  # the end of a number or a literal
+                self.done = True
+                return i
+        return len(text)
+
+
 def calls_in(text: str, body: schemas.ChatCompletionRequest) -> tuple[str | None, list[schemas.ToolCall]]:
     """The answer's content (None when it is calls only) and the calls of known functions in it."""
     known = {t.function.name for t in body.tools or []}
@@ -174,8 +249,22 @@ def _parsed(block: str, known: set[str]) -> schemas.ToolCall | None:
         return None
     if not isinstance(value, dict) or value.get("name") not in known:
         return None
-    arguments = value.get("arguments", {})
     return schemas.ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}",
-        function=schemas.FunctionCall(name=value["name"], arguments=json.dumps(arguments)),
+        id=_call_id(), function=schemas.FunctionCall(name=value["name"], arguments=_arguments_text(block, value))
     )
+
+
+def _arguments_text(block: str, value: dict) -> str:
+    """The arguments as the model wrote them, where the block opens as the calls' grammar writes
+    a call (what CallStream streams); else their JSON, laid out by json.dumps."""
+    header = HEADER.match(block)
+    if header is not None:
+        scan = _JsonEnd()
+        end = scan.feed(block, header.end())
+        if scan.done and block[end:].strip() == "}":
+            return block[header.end() : end]
+    return json.dumps(value.get("arguments", {}))
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
