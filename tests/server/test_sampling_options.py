@@ -9,12 +9,14 @@ import math
 
 import httpx
 import pytest
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from helpers import byte_llama, byte_tokenizer, openai_client, serving
 from specdecode import SpeculativeEngine
 from specdecode.drafters import ModelDrafter
 from specdecode.runners import HFModelRunner
 from specdecode.server import create_app
+from specdecode.server.logprobs import TokenTexts
 
 MODEL = "tiny-bytes"
 PROMPT = "the cat sat on the mat. the cat sat on the"
@@ -47,6 +49,23 @@ def tid(char: str) -> int:
     return token
 
 
+def byte_of(token: int) -> int:
+    """The byte byte_tokenizer's token stands for (its text is U+FFFD where it begins a character)."""
+    return BYTE_DECODER[TOKENIZER.convert_ids_to_tokens(token)]
+
+
+BYTE_DECODER = {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character(reference):
+    texts = TokenTexts(reference)
+    first, second = "é".encode()  # two tokens of one byte each
+    for byte in (first, second):
+        (token,) = [t for t in range(256) if byte_of(t) == byte]
+        assert texts.text(token) == "\ufffd" and texts.bytes(token) == bytes([byte])
+    assert texts.bytes(tid("a")) == b"a" and texts.bytes(TOKENIZER.eos_token_id) == b"<eos>"
+
+
 def test_chat_logprobs_are_the_engines(client, reference):
     expected = reference.generate(PROMPT, max_new_tokens=16, logprobs=3)[0]
     messages = [{"role": "user", "content": PROMPT}]
@@ -58,7 +77,7 @@ def test_chat_logprobs_are_the_engines(client, reference):
     content = choice.logprobs.content
     assert len(content) == len(expected.token_ids)
     for entry, ours in zip(content, expected.logprobs, strict=True):
-        assert entry.token == TOKENIZER.decode([ours.token]) and entry.bytes == list(entry.token.encode())
+        assert entry.token == TOKENIZER.decode([ours.token]) and entry.bytes == [byte_of(ours.token)]
         assert math.isclose(entry.logprob, ours.logprob, abs_tol=1e-5)
         assert [t.token for t in entry.top_logprobs] == [TOKENIZER.decode([t]) for t, _ in ours.top]
     assert response.model_extra["speculative"]["accepted_tokens"] > 0  # drafts were verified and kept

@@ -1,24 +1,46 @@
 """Log-probabilities in OpenAI's two shapes: the chat API's (a list of entries with bytes and
-the likeliest tokens) and the completions API's (parallel lists). A token's text is its own
-decoding, special tokens written out; its bytes are that text's UTF-8 (a token holding part of a
-character decodes to U+FFFD, as in other servers that decode token by token)."""
+the likeliest tokens) and the completions API's (parallel lists), each token said by TokenTexts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 from specdecode.core.logprobs import TokenLogprob
+from specdecode.errors import SpecDecodeError
 from specdecode.server import schemas
 
 
-def token_text(tokenizer) -> Callable[[int], str]:
-    return lambda token: tokenizer.decode([token], skip_special_tokens=False)
+class TokenTexts:
+    """What the log-probabilities say of a token: its text, its own decoding with special tokens
+    written out (a token that holds part of a character decodes to U+FFFD, as in other servers
+    that decode token by token), and its bytes, that part of the character, as llguidance reads
+    the tokenizer (structured outputs read it the same way); where llguidance cannot, the
+    text's UTF-8."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def text(self, token: int) -> str:
+        return self._engine.tokenizer.decode([token], skip_special_tokens=False)
+
+    def bytes(self, token: int) -> bytes:
+        reader = self._reader
+        if reader is None or reader.is_special_token(token):
+            return self.text(token).encode()
+        return reader.decode_bytes([token])
+
+    @cached_property
+    def _reader(self):
+        try:
+            return self._engine.grammars.tokenizer  # built once per engine
+        except SpecDecodeError:  # no llguidance, a tokenizer it cannot read, or no EOS token
+            return None
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], text: Callable[[int], str]) -> schemas.ChoiceLogprobs:
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> schemas.ChoiceLogprobs:
     def top(token: int, logprob: float) -> schemas.TopLogprob:
-        word = text(token)
-        return schemas.TopLogprob(token=word, logprob=logprob, bytes=list(word.encode()))
+        return schemas.TopLogprob(token=texts.text(token), logprob=logprob, bytes=list(texts.bytes(token)))
 
     content = [
         schemas.TokenLogprob(**top(e.token, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top])

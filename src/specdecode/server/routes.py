@@ -24,7 +24,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.server import schemas, tools
 from specdecode.server.config import ServerConfig
 from specdecode.server.errors import API_NAMES, APIError
-from specdecode.server.logprobs import chat_logprobs, completion_logprobs, token_text
+from specdecode.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.streaming import outcomes, stream
 from specdecode.server.worker import (
@@ -85,7 +85,7 @@ async def completions(body: schemas.CompletionRequest, http: Request):
     max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
     handles = _submit(state, _generation_requests(state, body, body.prompt, max_tokens))
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name)
-    text = token_text(state.engine.tokenizer)
+    text = TokenTexts(state.engine).text
     if body.stream:
         offsets = [0] * body.n  # where each choice's next chunk starts in its answer
 
@@ -128,7 +128,7 @@ async def chat_completions(body: schemas.ChatCompletionRequest, http: Request):
     calls = tools.constraint(body, tool_choice)
     requests = _generation_requests(state, body, prompt, max_tokens, templated, conversation, calls)
     handles = _submit(state, requests)
-    answer = _ChatAnswer(body, tool_choice, token_text(state.engine.tokenizer), state.model_name)
+    answer = _ChatAnswer(body, tool_choice, TokenTexts(state.engine), state.model_name)
     if body.stream:
         # OpenAI opens a chat stream with the role, each choice's
         opening = [answer.chunk("", role="assistant", index=i) for i in range(body.n)]
@@ -148,8 +148,8 @@ class _ChatAnswer:
     when the answer is read for calls. Where the answer is calls by its grammar ("required", a
     named function), a stream sends each call as it is written (tools.py)."""
 
-    def __init__(self, body: schemas.ChatCompletionRequest, tool_choice: str | None, text, model: str):
-        self.body, self.text = body, text
+    def __init__(self, body: schemas.ChatCompletionRequest, tool_choice: str | None, texts: TokenTexts, model: str):
+        self.body, self.texts = body, texts
         self.reads_calls = tool_choice not in (None, "none")
         self.streams_calls = tool_choice not in (None, "none", "auto")
         self.head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
@@ -227,7 +227,7 @@ class _ChatAnswer:
         return events
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> schemas.ChoiceLogprobs | None:
-        return chat_logprobs(entries, self.text) if self.body.logprobs and entries is not None else None
+        return chat_logprobs(entries, self.texts) if self.body.logprobs and entries is not None else None
 
 
 def _generation_requests(
