@@ -110,7 +110,9 @@ def profile_forward(
 ) -> list[ForwardCost]:
     """Median time of a cached forward over n new tokens after a prefix, beside the floors.
 
-    Each forward returns logits for all n positions, as verifying n - 1 drafts needs.
+    Each forward returns logits for all n positions, as verifying n - 1 drafts needs. The sizes
+    are timed in rounds, each size once a round (after two untimed rounds): a neighbour's burst
+    on a shared machine then lands on every size alike, not on the one timed while it lasted.
     """
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, runner.vocab_size, (prefix + max(new_tokens),), generator=generator)
@@ -121,10 +123,16 @@ def profile_forward(
         runner.crop(prefix)
         return runner.forward(tokens[prefix : prefix + n], n)
 
+    seconds: dict[int, list[float]] = {n: [] for n in new_tokens}
+    for round_ in range(2 + repeats):
+        for n in new_tokens:
+            elapsed = timed(lambda: forward(n))[1]  # noqa: B023 - called now, in this iteration
+            if round_ >= 2:  # the first rounds allocate
+                seconds[n].append(elapsed)
     return [
         ForwardCost(
             n,
-            median_seconds(lambda: forward(n), repeats),  # noqa: B023 - timed now, in this iteration
+            statistics.median(seconds[n]),
             bandwidth_floor=weight_bytes(model) / hardware.read_bandwidth,
             compute_floor=forward_flops(model, n, prefix + n) / hardware.matmul_flops,
         )
