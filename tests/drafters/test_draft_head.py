@@ -26,6 +26,7 @@ import os
 
 import pytest
 import torch
+import transformers as T
 
 from helpers import (
     ALPHA,
@@ -144,6 +145,33 @@ def test_a_trained_head_is_accepted_more_often_than_an_untrained_one(tiny):
     after = held_out_acceptance(engine, head, held_out, k=3, max_new_tokens=32, chat=False)
     assert after.acceptance_rate > 2 * before.acceptance_rate, (before, after)
     assert after.tokens_per_forward > before.tokens_per_forward + 0.1, (before, after)
+
+
+def tiny_gemma3():
+    config = T.Gemma3TextConfig(
+        vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+    )  # fmt: skip
+    model = T.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.norm.weight.normal_(0, 0.5)  # Gemma's norm scales by 1 + weight
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_heads_logits_through_the_targets_final_norm_are_the_targets(family):
+    """head.logits on the target's last hidden state (before its final norm) gives the target's
+    logits on the head's vocabulary: the soft labels it trains on, and the logits it drafts by."""
+    target = tiny_llama(seed=4, vocab_size=48, max_positions=128) if family == "llama" else tiny_gemma3()
+    kept = []
+    target.model.norm.register_forward_hook(lambda module, args, output: kept.append(args[0]))
+    with torch.no_grad():
+        logits = target(torch.tensor([[1, 5, 9, 2, 7, 3]])).logits[0]
+    vocabulary = torch.tensor([0, 3, 4, 10, 17, 30, 47])
+    head = new_head(target, head_config(target, (2,), len(vocabulary)), vocabulary, 0)
+    with torch.no_grad():
+        ours = head.logits(kept[0][0].float())
+    torch.testing.assert_close(ours, logits[:, vocabulary].float(), atol=1e-4, rtol=1e-4)
 
 
 def test_greedy_with_the_head_equals_transformers_generate(tiny):

@@ -161,6 +161,21 @@ def target_parts(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
     return model.get_input_embeddings().weight, norm.weight
 
 
+def final_norm_weight(model: PreTrainedModel) -> torch.Tensor:
+    """The target's final norm as the weight the head multiplies a normalized row by: its weight
+    (Llama's RMSNorm), or 1 + weight (Gemma's RMSNorm scales by that, its weight stored as an
+    offset from 1), told apart by running the norm on a row of ones. Either way the head's
+    logits through it are the target's (on the head's vocabulary)."""
+    _, weight = target_parts(model)
+    probe = torch.ones(1, weight.shape[0], device=weight.device)
+    with torch.no_grad():
+        normed = model.base_model.norm(probe).float()[0] * (1 + model.config.get_text_config().rms_norm_eps) ** 0.5
+    shifted = 1 + weight.detach().float()
+    if (normed - shifted).abs().max() < (normed - weight.detach().float()).abs().max():
+        return shifted
+    return weight
+
+
 class DraftHead(nn.Module):
     """The trained module; the target's embedding, final norm and head rows are frozen buffers."""
 
@@ -353,7 +368,7 @@ def for_drafting(head: DraftHead) -> DraftHead:
 
 def new_head(model: PreTrainedModel, config: HeadConfig, vocabulary: torch.Tensor, seed: int) -> DraftHead:
     """An untrained head for model over vocabulary [draft vocab] (target token ids), seeded."""
-    embed, norm = target_parts(model)
+    embed, norm = target_parts(model)[0], final_norm_weight(model)
     rows = model.get_output_embeddings().weight[vocabulary]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -411,7 +426,7 @@ def load_head(folder: str | Path, model: PreTrainedModel) -> DraftHead:
     if not (folder / HEAD_CONFIG).is_file():
         raise InvalidArgumentError(f"{folder} holds no draft head ({HEAD_CONFIG} missing): train one", "draft")
     config = _config(folder)
-    embed, norm = target_parts(model)
+    embed, norm = target_parts(model)[0], final_norm_weight(model)
     if tuple(embed.shape) != (config.target_vocab_size, config.hidden_size):
         raise InvalidArgumentError(
             f"the head in {folder} was trained for a target of vocabulary {config.target_vocab_size} and hidden "
