@@ -344,6 +344,43 @@ def test_a_saved_head_loads_with_the_same_weights_and_drafts(tiny, tmp_path):
     assert (first.drafted_tokens, first.accepted_tokens) == (second.drafted_tokens, second.accepted_tokens)
 
 
+@pytest.mark.parametrize("input_norms", [True, False])
+def test_a_head_with_input_norms_reads_its_features_whatever_their_scale(input_norms):
+    """A target whose features run far larger than its embeddings (Gemma 3's last layer) leaves a
+    head with input norms unmoved: its logits for features scaled by 2^10 are its logits for the
+    features themselves. Negative control: a head without them (the shipped SmolLM2 head's kind)
+    computes other logits."""
+    target = tiny_llama(seed=4, vocab_size=48, max_positions=128)
+    vocabulary = torch.arange(0, 48, 3)
+    head = new_head(target, head_config(target, (2,), len(vocabulary), input_norms=input_norms), vocabulary, 0)
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(4, head.config.hidden_size, generator=generator)
+    tokens, rows = torch.tensor([1, 5, 9, 2]), torch.arange(4)
+    with torch.no_grad():
+        plain, scaled = (head.logits(head(f, tokens, rows, None, None)[0]) for f in (features, features * 1024))
+    if input_norms:
+        torch.testing.assert_close(scaled, plain, atol=1e-4, rtol=1e-4)
+    else:
+        assert not torch.allclose(scaled, plain, atol=1e-2, rtol=1e-2)
+
+
+def test_a_head_saved_before_input_norms_loads_without_them(tiny, tmp_path):
+    """A head folder whose config predates `input_norms` (the shipped SmolLM2 head's) loads as a
+    head without them, with its own weights."""
+    target, engine, _, _, _ = tiny
+    vocabulary, layers = torch.arange(0, 24, 2), (target.config.num_hidden_layers,)
+    head = new_head(target, head_config(target, layers, len(vocabulary), input_norms=False), vocabulary, 1)
+    save_head(head, tmp_path)
+    config = json.loads((tmp_path / HEAD_CONFIG).read_text())
+    del config["input_norms"]
+    (tmp_path / HEAD_CONFIG).write_text(json.dumps(config))
+    loaded = load_head(tmp_path, target)
+    assert loaded.config == head.config and not loaded.config.input_norms
+    assert all(torch.equal(loaded.state_dict()[name], value) for name, value in head.state_dict().items())
+    assert loaded.state_dict().keys() == head.state_dict().keys()
+    assert not {"embed_norm", "feature_norm"} & loaded.state_dict().keys()
+
+
 def test_a_head_for_another_target_shape_is_refused(tiny, tmp_path):
     _, _, head, _, _ = tiny
     save_head(head, tmp_path)

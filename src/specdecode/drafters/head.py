@@ -4,7 +4,8 @@ reduced vocabulary, Zhao et al. 2025): `--drafter head --draft DIR`.
 The head is one decoder layer over the target's own hidden states. Row j of its input is
 fc(concat(embedding of token j + 1, h_j)), where h_j is the target's feature at position j (the
 hidden states of `feature_layers`, fused by a Linear when there are several) or, past the tokens
-the target has run, the head's own output of the row before; the layer's output g goes through
+the target has run, the head's own output of the row before (each of the two through an RMS norm
+of its own first, in heads with `input_norms`); the layer's output g goes through
 the target's final norm to a reduced output vocabulary: the rows of the target's output head
 for the `draft_vocab_size` tokens most frequent in the training answers (end of sequence
 included). The embedding, the norm and those rows are the target's, frozen: a head directory
@@ -81,6 +82,11 @@ class HeadConfig:
     training: dict = field(default_factory=dict)  # how it was trained: loss, steps, data (informational)
     target_fingerprint: str = ""  # the target it was trained on (target_fingerprint); "": not recorded
     target_name: str = ""  # that target's name, for messages
+    # RMS norms (trained weights) on the token embedding and on the features before fc, as
+    # EAGLE-3's layer has: a target whose features run far larger than its embeddings (Gemma 3's
+    # last layer: RMS ~1,200, single channels ~30,000) otherwise swamps fc. False: heads saved
+    # before it, which have none.
+    input_norms: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -98,10 +104,15 @@ def eagle3_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def head_config(
-    model: PreTrainedModel, feature_layers: tuple[int, ...], draft_vocab_size: int, target_name: str | None = None
+    model: PreTrainedModel,
+    feature_layers: tuple[int, ...],
+    draft_vocab_size: int,
+    target_name: str | None = None,
+    input_norms: bool = True,
 ) -> HeadConfig:
     """A head shaped as one of the target's decoder layers, for this target (its fingerprint;
-    target_name: what to call it in messages, by default its folder's name)."""
+    target_name: what to call it in messages, by default its folder's name; input_norms:
+    HeadConfig's)."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 1e4)
@@ -122,6 +133,7 @@ def head_config(
         draft_vocab_size=draft_vocab_size,
         target_fingerprint=target_fingerprint(model),
         target_name=target_name or Path(str(getattr(model.config, "name_or_path", "") or "")).name,
+        input_norms=input_norms,
     )
 
 
@@ -197,6 +209,9 @@ class DraftHead(nn.Module):
         self.register_buffer("vocabulary", vocabulary.long(), persistent=False)
         self.fuse = nn.Linear(fused * hidden, hidden, bias=False) if fused > 1 else None
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        if config.input_norms:
+            self.embed_norm = nn.Parameter(torch.ones(hidden))
+            self.feature_norm = nn.Parameter(torch.ones(hidden))
         self.layer = HeadLayer(config)
         self.rows_product: Callable[[torch.Tensor], torch.Tensor] | None = None  # for_drafting's head rows
         self.token_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None  # read_embeddings_from
@@ -222,8 +237,11 @@ class DraftHead(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor] | None,  # keys, values [kv heads, c, head_dim]
         mask: torch.Tensor | None,  # [n, c + n] bool, True: attends; None: causal over the n rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # g [n, hidden], keys, values [kv, n, d]
-        embedded = self.embed[tokens] if self.token_embedding is None else self.token_embedding(tokens)
-        x = self.fc(torch.cat([embedded.float(), features], dim=-1))
+        embedded = (self.embed[tokens] if self.token_embedding is None else self.token_embedding(tokens)).float()
+        if self.config.input_norms:
+            eps = self.config.rms_norm_eps
+            embedded, features = _rms_norm(embedded, self.embed_norm, eps), _rms_norm(features, self.feature_norm, eps)
+        x = self.fc(torch.cat([embedded, features], dim=-1))
         return self.layer(x, positions, past, mask)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:  # [n, draft vocab]
@@ -351,6 +369,7 @@ def for_drafting(head: DraftHead) -> DraftHead:
     is (training and saving use it); the frozen buffers are shared."""
     fast = copy.copy(head)  # a shallow copy: its own module table below, the buffers shared
     fast._modules = dict(head._modules)
+    fast._parameters = {name: nn.Parameter(p.detach().clone(), False) for name, p in head._parameters.items()}
     fast.layer = copy.copy(head.layer)
     fast.layer._modules = dict(head.layer._modules)
     fast.layer._parameters = {

@@ -40,6 +40,7 @@ def train_draft(
     vocab_size: int = 4096,
     features: str = "last",
     config: TrainConfig | None = None,
+    input_norms: bool = True,
     max_new_tokens: int = 192,
     max_length: int = 512,
     held_out: list[str] | None = None,
@@ -53,7 +54,8 @@ def train_draft(
     output/summary.json). prompts: a JSONL file of prompts (else Magpie instructions the
     target writes); held_out: the prompts acceptance is measured on (default evaluate.HELD_OUT);
     restart: discard the data and checkpoint an earlier run left in output; restart_training: the
-    checkpoint alone (a damaged one, or one of other training options), keeping the data."""
+    checkpoint alone (a damaged one, or one of other training options), keeping the data;
+    input_norms: HeadConfig's."""
     config = config or TrainConfig()
     if features not in FEATURES:
         raise InvalidArgumentError(f"unknown features '{features}'; choose one of: {', '.join(FEATURES)}", "features")
@@ -80,7 +82,7 @@ def train_draft(
         vocabulary = data.draft_vocabulary(chosen, vocab_size, engine.eos_token_ids)
         layers = _layers(model, features)
         name = target if isinstance(target, str) else None  # the head's config names its target in messages
-        head = new_head(model, head_config(model, layers, len(vocabulary), name), vocabulary, config.seed)
+        head = new_head(model, head_config(model, layers, len(vocabulary), name, input_norms), vocabulary, config.seed)
         start = time.perf_counter()
         task = bars.add_task("target features", total=len(chosen))
         identity = [settings.target, settings.dtype, settings.runner]
@@ -172,6 +174,10 @@ def train_draft_command(
     ] = None,
     vocab_size: Annotated[int, typer.Option(help="Tokens the head drafts from (the most frequent).")] = 4096,
     features: Annotated[str, typer.Option(help="last (the last layer) or eagle3 (low, middle, high).")] = "last",
+    input_norms: Annotated[
+        bool,
+        typer.Option(help="RMS norms on the head's token embedding and features before it mixes them (EAGLE-3's)."),
+    ] = True,
     loss: Annotated[str, typer.Option(help="ttt (EAGLE-3's training-time test) or eagle (EAGLE-1).")] = "ttt",
     unroll: Annotated[int, typer.Option(help="ttt: draft steps unrolled in training.")] = 3,
     epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 4,
@@ -206,6 +212,7 @@ def train_draft_command(
         features,
         config,
         max_new_tokens,
+        input_norms=input_norms,
         dtype=dtype,
         restart=restart,
         restart_training=restart_training,
