@@ -7,7 +7,8 @@
   that the fixed file's rerun would be refused by; a hand-made data.jsonl likewise;
 - a checkpoint.pt cut short ends the command with one line naming it and --restart-training,
   which trains afresh on the data already in --output (not decoded again, its files unchanged)
-  and ends with the weights of the first run.
+  and ends with the weights of the first run;
+- --input-norms and --no-input-norms reach the head's config.
 """
 
 from __future__ import annotations
@@ -108,3 +109,13 @@ def test_a_checkpoint_cut_short_is_refused_and_restart_training_keeps_the_data(t
     assert result.exit_code == 0, result.output
     assert {name: (output / name).read_bytes() for name in files} == first  # the data kept, the same weights
     assert torch.load(checkpoint, weights_only=True)["state"]["step"] == 1
+
+
+def test_the_head_has_input_norms_unless_no_input_norms_is_given(tiny_model_dir, tmp_path):
+    """--input-norms (the default) and --no-input-norms reach the saved head's config."""
+    prompts = prompts_file(tmp_path, [prompt_line(f"w{i} w{i + 1}") for i in range(2)])
+    for option, expected in (("--input-norms", True), ("--no-input-norms", False)):
+        output = tmp_path / option
+        result = train_draft(str(tiny_model_dir), output, prompts, option)
+        assert result.exit_code == 0, result.output
+        assert json.loads((output / "config.json").read_text())["input_norms"] is expected

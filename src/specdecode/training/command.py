@@ -40,7 +40,6 @@ def train_draft(
     vocab_size: int = 4096,
     features: str = "last",
     config: TrainConfig | None = None,
-    input_norms: bool = True,
     max_new_tokens: int = 192,
     max_length: int = 512,
     held_out: list[str] | None = None,
@@ -49,6 +48,7 @@ def train_draft(
     progress: bool = True,
     restart: bool = False,
     restart_training: bool = False,
+    input_norms: bool = True,
 ) -> dict:
     """Train a draft head for target and save it in output; returns the summary (also in
     output/summary.json). prompts: a JSONL file of prompts (else Magpie instructions the
