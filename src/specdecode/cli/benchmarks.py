@@ -242,15 +242,19 @@ def profile(
         quantization = older_flag("--quantize", quantize, "--quantization", quantization)
         if prefix < 1 or repeats < 1:
             raise InvalidArgumentError("--prefix and --repeats must be at least 1")
-        # the fast runner's products, named once; the transformers runner times them in float
-        products = precision.quantization_named(quantization, precision.RUNNER)
+        precision.quantization_named(quantization, precision.RUNNER)  # an unknown name refused before loading
         if compile and runner == "transformers":
             raise InvalidArgumentError("--compile times the fast runner compiled; use --runner both or fast")
         runners = ["fast", "transformers"] if runner == "both" else [runner]
         for name in [target] + ([draft] if draft else []):
             with loading(name):
-                # --dtype auto as generate and serve decide it, for the runner profiled first
-                model, _ = load_model(name, device, resolve_precision(name, device, dtype, runner=runners[0]))
+                # --dtype auto as generate and serve decide it (w8a8 where that is their default),
+                # for the runner profiled first; the transformers runner times the products in float
+                option = precision.TARGET if quantization is None else precision.RUNNER
+                chosen = resolve_precision(name, device, dtype, quantization, runners[0], option=option)
+                model, _ = load_model(name, device, chosen)
+            products = chosen.runner_quantization
+            _check_context(model, prefix)
             with stderr.status("Measuring memory bandwidth and matrix-product rate"):
                 hardware = measure_hardware(model.dtype, str(model.device))
             console.print(
@@ -271,6 +275,19 @@ def profile(
                     with stderr.status(f"Compiling and timing {type(model_runner).__name__}"):
                         costs = profile_forward(model_runner, model, hardware, (1, 5), prefix, repeats)
                     console.print(render_table(f"{name}: {label} compiled, after {prefix} cached tokens", costs))
+
+
+def _check_context(model, prefix: int) -> None:
+    """The longest timed forward (--prefix cached tokens, then PROFILED_SIZES' largest) fits the model's context."""
+    from specdecode.runners.profiling import PROFILED_SIZES
+
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context is not None and prefix + max(PROFILED_SIZES) > context:
+        raise InvalidArgumentError(
+            f"--prefix {prefix} and {max(PROFILED_SIZES)} new tokens pass the model's context of {context} tokens: "
+            f"give --prefix {max(context - max(PROFILED_SIZES), 1)} or less",
+            "prefix",
+        )
 
 
 def _fast_supported(model) -> bool:

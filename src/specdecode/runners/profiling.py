@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from specdecode.runners.base import ModelRunner
 
 T = TypeVar("T")
+PROFILED_SIZES = (1, 2, 4, 5, 8, 16, 32)  # new tokens of the timed forwards
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def profile_forward(
     runner: ModelRunner,
     model: PreTrainedModel,
     hardware: Hardware,
-    new_tokens: tuple[int, ...] = (1, 2, 4, 5, 8, 16, 32),
+    new_tokens: tuple[int, ...] = PROFILED_SIZES,
     prefix: int = 200,
     repeats: int = 7,
 ) -> list[ForwardCost]:
