@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from helpers import tiny_llama, tiny_tokenizer
+from specdecode.server import ray_cluster
 
 # Ray in the tests stays on loopback (server/ray_cluster.py says why) and authenticates with a
 # token of this session's own, never ~/.ray/auth_token (a cluster started by ray.init would
@@ -26,6 +27,8 @@ RAY_TEST_TOKEN = secrets.token_hex(16)
 os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TEST_TOKEN)
 os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 os.environ["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # a test cluster stops at once, with nothing to drain
+# the test cluster's Serve controller gives a starting proxy as long as serve.start waits (ray_cluster.py)
+os.environ[ray_cluster.PROXY_READY_VARIABLE] = ray_cluster.PROXY_READY_SECONDS
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,12 @@ def check_replicas(replicas: int, replica_cpus: float) -> None:
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 LOOPBACK_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # 0: Ray keeps loopback addresses as they are
+# Serve's controller restarts a proxy not ready within this variable's seconds (5 by default),
+# while serve.start waits 60 s for one: on a loaded machine a proxy's process takes longer than
+# 5 s to start, and each restart starts it over until serve.start gives up. Given the whole 60 s,
+# the first proxy is waited for (an operator's own setting is kept).
+PROXY_READY_VARIABLE = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_SECONDS = "60"
 
 
 def connect(address: str | None) -> None:
@@ -54,6 +60,8 @@ def connect(address: str | None) -> None:
         _stay_on_loopback()
     if address is not None and is_loopback(address):
         _send_this_machines_token()
+    if address is None:  # the Ray started here: its Serve controller reads the environment it starts in
+        os.environ.setdefault(PROXY_READY_VARIABLE, PROXY_READY_SECONDS)
     try:
         ray.init(
             address="local" if address is None else address,
