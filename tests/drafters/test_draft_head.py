@@ -6,6 +6,8 @@ trained in seconds inside the tests.
   (chains on transformers' runner; trees on the fast runner, where it keeps hidden states);
 - sampling with the head's q (zero off its vocabulary) keeps the target's law (G-test), and a
   q that is not zero there is caught (negative control);
+- a head with input norms gives the same logits whatever its features' scale (negative control:
+  one without them does not), and a head saved before them loads without them;
 - a head saved and loaded drafts the same; an interrupted training resumed from its checkpoint
   ends with bitwise the weights of an uninterrupted one (and another seed's differ); a damaged
   checkpoint is refused in one line naming --restart-training, and a checkpoint is fsynced
