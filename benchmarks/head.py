@@ -9,8 +9,12 @@ output is checked against target-only decoding of the same engine (same precisio
 - auto, no head: the default drafter with `--no-shipped-head` (recycling first on the fast runner);
 - auto + head: the default drafter with the head (prompt lookup, draft store, head, recycling);
 - head: the head alone (trees under greedy decoding on the fast runner), adaptive k;
+- with --given-order, also both autos trying their candidates in the order they are given,
+  as they did before the decoder ranked them by measured tokens per second (Decoder._ranked);
 - with --linear-head, also "auto + head, nn.Linear products": the head drafting through its
   trained module's own float32 nn.Linear products instead of drafters.head.for_drafting's.
+A second table gives the tree sizes each system's policy chose, by category, and the
+verification costs (by new tokens) its decoder measured and chose them by.
 
 --products times the head's forward and its logits instead (no prompts): the trained module
 against for_drafting's copy, interleaved, medians. --draft-cost measures what issue 25 bounds:
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -50,7 +55,9 @@ SAMPLING_PROMPTS = OPEN_CHAT_PROMPTS
 TEMPERATURES = (0.0, 0.7, 1.0)
 
 
-def systems(base: SpeculativeEngine, head: str, k: int, linear_head: bool) -> dict[str, SpeculativeEngine]:
+def systems(
+    base: SpeculativeEngine, head: str, k: int, linear_head: bool, given_order: bool = False
+) -> dict[str, SpeculativeEngine]:
     def drafter(name: str, draft: str | None, shipped_head: bool = True):
         options = DrafterOptions(shipped_head=shipped_head)
         return make_drafter(name, draft, base.target_runner, base.tokenizer, None, "auto", options)
@@ -67,6 +74,14 @@ def systems(base: SpeculativeEngine, head: str, k: int, linear_head: bool) -> di
             if isinstance(candidate, HeadDrafter):
                 candidate.fast = candidate.head  # forks share it
         engines["auto + head, nn.Linear products"] = base.with_drafter(slow, k, adaptive=True)
+    if given_order:
+        unranked = {
+            "auto, no head, given order": drafter("auto", None, shipped_head=False),
+            "auto + head, given order": drafter("auto", head),
+        }
+        for name, auto in unranked.items():
+            engines[name] = base.with_drafter(auto, k, adaptive=True)
+            engines[name].decoder._ranked = lambda seq, batch_size, explores: seq.drafters  # as given
     return engines
 
 
@@ -216,11 +231,12 @@ def sampling(args) -> str:
 def run(args) -> str:
     torch.manual_seed(0)
     base = engine_for(args)
-    engines = systems(base, args.head, args.k, args.linear_head)
+    engines = systems(base, args.head, args.k, args.linear_head, args.given_order)
     prompts = select_prompts(load_prompts(args.prompts), per_category=args.prompts_per_category)
     for engine in engines.values():  # warm the shapes each system runs
         engine.generate(["Say hello."], max_new_tokens=16, chat=chat(base))
     rows: dict[tuple[str, str], list] = {}
+    trees: dict[tuple[str, str], Counter] = {}  # (category, system) -> tree size (nodes) -> steps
     for prompt in prompts:
         ids = base.encode(prompt.text, chat=chat(base))
         best: dict[str, object] = {}
@@ -234,8 +250,9 @@ def run(args) -> str:
             rows.setdefault((prompt.category, name), []).append(
                 (result.stats.tokens_per_second, result.stats.mean_accepted_length, result.token_ids == reference)
             )
+            trees.setdefault((prompt.category, name), Counter()).update(result.stats.tree_histogram)
         print(prompt.category, {n: round(r.stats.tokens_per_second, 1) for n, r in best.items()}, flush=True)
-    return report(rows, base, args)
+    return report(rows, base, args) + tree_report(trees, engines)
 
 
 def report(rows: dict, base: SpeculativeEngine, args) -> str:
@@ -268,12 +285,49 @@ def report(rows: dict, base: SpeculativeEngine, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tree_report(trees: dict[tuple[str, str], Counter], engines: dict[str, SpeculativeEngine]) -> str:
+    """The tree sizes each system's policy chose, by category (the kept result of each prompt),
+    and the verification costs it chose them by: what each system's decoder measured."""
+    categories = list(dict.fromkeys(category for category, _ in trees))
+    names = [name for name in engines if any(trees[(c, name)] for c in categories)]
+    if not names:
+        return ""
+    lines = [
+        "",
+        "Tree sizes chosen (AdaptiveTree, core/adaptive.py): nodes per tree step, mean, then the sizes most "
+        "chosen as nodes: steps.",
+        "",
+        "| category | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for category in categories + ["all"]:
+        chosen = categories if category == "all" else [category]
+        cells = [_tree_cell(sum((trees[(c, name)] for c in chosen), Counter())) for name in names]
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    lines += ["", "Verification forward by new tokens, as each decoder measured it (ms, moving average):", ""]
+    for name in names:
+        seconds = sorted(engines[name].decoder.costs.seconds.items())
+        lines.append(f"- {name}: " + ", ".join(f"{n}: {1000 * s:.1f}" for n, s in seconds))
+    return "\n".join(lines) + "\n"
+
+
+def _tree_cell(sizes: Counter) -> str:
+    steps = sum(sizes.values())
+    if not steps:
+        return "no trees"
+    mean = sum(n * count for n, count in sizes.items()) / steps
+    return f"{mean:.1f} ({', '.join(f'{n}: {c}' for n, c in sizes.most_common(3))})"
+
+
 def main() -> None:
     parser = script_parser(__doc__, max_new_tokens=64, k=8, repeats=1, prompts_per_category=2, dtype="auto")
     parser.add_argument("--head", required=True, help="the head's folder (specdecode train-draft --output)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="the target model [default: %(default)s]")
     parser.add_argument("--prompts", default=None, help="JSONL prompts [default: the shipped Spec-Bench subset]")
     parser.add_argument("--linear-head", action="store_true", help="also auto + head on nn.Linear products")
+    parser.add_argument(
+        "--given-order", action="store_true", help="also both autos trying their candidates in the given order"
+    )
     parser.add_argument("--products", action="store_true", help="time the head's forward instead")
     parser.add_argument("--quantization", default=None, help="the target's, e.g. w8a8 [default: none]")
     parser.add_argument("--draft-cost", action="store_true", help="the head's draft cost per drafted token instead")

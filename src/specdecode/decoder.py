@@ -12,7 +12,8 @@ active (runners/slots.py); a *step* is one target forward. `Decoder.step` runs t
    decoding does, so both start from the same cache (the fast paths' half precision relies
    on it). A rebuilt sequence's prefill decides nothing: its next token is known;
 2. draft: each other sequence's drafters propose up to its k tokens (ragged: some propose
-   none), a chain or a tree of k nodes; k is chosen here, from what was measured
+   none), a chain or a tree of k nodes, its drafters tried best first (`_ranked`); k is
+   chosen here, from what was measured
    (core/adaptive.py: by position for chains, by tree size for drafters of trees; a drafter's
    greedy and sampled sequences are measured apart, `policy_key`). A target that cannot
    verify trees (runner.verifies_trees False) runs a tree's first path, a chain. Under a
@@ -60,7 +61,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from specdecode.core.adaptive import AdaptiveK, AdaptiveTree, StepCosts
+from specdecode.core.adaptive import RANK_PROBE_EVERY, AdaptiveK, AdaptiveTree, StepCosts
 from specdecode.core.adjustments import NO_ADJUSTMENTS, Adjustments
 from specdecode.core.constraints import Matcher
 from specdecode.core.logprobs import TokenLogprob, token_logprobs
@@ -79,7 +80,8 @@ class SequenceState:
     params: SamplingParams
     stopping: StoppingCriteria
     generator: torch.Generator
-    drafters: tuple[Drafter, ...] = ()  # this sequence's candidates, first that proposes drafts
+    # this sequence's candidates: the first that proposes drafts, in Decoder._ranked's order
+    drafters: tuple[Drafter, ...] = ()
     k_max: int = 0  # most tokens drafted per step; 0: target-only
     fixed_k: bool = False  # draft k_max every step: seeded sampling, whose samples must repeat
     drafter_name: str = "none"  # what the stats call the drafters ("auto" for several)
@@ -256,7 +258,7 @@ class Decoder:
             return Draft.empty(), 0
         # what a grammar forces next leads the draft: free, and verified like any draft
         forced = seq.matcher.forced(room - 1) if seq.matcher is not None else []
-        for drafter in seq.drafters:
+        for drafter in self._ranked(seq, batch_size, explores):
             if forced and drafter.hidden_layers:
                 continue  # a head has no target features for the forced tokens, which are not verified yet
             k = min(self._k(seq, drafter, chosen, k_max, batch_size, explores), room - 1 - len(forced))
@@ -277,6 +279,19 @@ class Decoder:
                 # drafts or not, so for the policy proposing nothing gained nothing
                 policy.record_no_draft(k)
         return _after_forced(forced, Draft.empty(), self.slots.vocab_size), 0
+
+    def _ranked(self, seq: SequenceState, batch_size: int, explores: bool) -> tuple[Drafter, ...]:
+        """seq's drafters in the order it tries them this step: by their policies' expected
+        tokens per second, best first, those not measured yet first in their given order
+        (core/adaptive.py, "Ranking"); in the given order where k is not chosen from measurements
+        (seeded sampling's drafts must not depend on timings), and on every RANK_PROBE_EVERY-th
+        step that explores, so that a drafter ranked low is measured again."""
+        drafters = seq.drafters
+        if len(drafters) < 2 or seq.fixed_k or not self.adaptive or (explores and self._steps % RANK_PROBE_EVERY == 0):
+            return drafters
+        rates = [self._policy(drafter, seq.params).rate(batch_size) for drafter in drafters]
+        order = sorted(range(len(drafters)), key=lambda i: (rates[i] is not None, -(rates[i] or 0.0), i))
+        return tuple(drafters[i] for i in order)
 
     def _runnable(self, draft: Draft) -> Draft:
         """The draft as this target verifies it: a tree's first path where trees cannot be

@@ -165,8 +165,8 @@ class SpeculativeEngine:
         runner: "auto" runs supported architectures on the lean fast path (runners/fast_llama.py)
         and the rest on transformers' modeling; "transformers" forces the latter.
         drafter "auto": prompt lookup, then the draft store (`suffix`, when cache.draft_store is on),
-        then the draft model if one is given; each step the first that proposes; with adaptive k
-        each proposes only while it pays. Where the target verifies trees (the fast runner's
+        then the draft model if one is given; each step the first that proposes, tried best first
+        by measured tokens per second with adaptive k, under which each proposes only while it pays. Where the target verifies trees (the fast runner's
         `verifies_trees`): `recycling` (the target's own past predictions, prompt lookup's
         continuations first), then a prompt-lookup tree (for seeded samples, which skip
         recycling), then the draft model's trees.

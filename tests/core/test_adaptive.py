@@ -130,6 +130,64 @@ def test_greedy_output_with_adaptive_k_equals_transformers_generate(family, monk
     assert len(set(chosen)) > 1  # k adapted
 
 
+def test_rate_is_the_settled_steps_expected_tokens_per_second():
+    costs = linear_costs()
+    policy = AdaptiveK(costs)
+    assert policy.rate() is None  # nothing drafted yet: unranked
+    policy.record_draft(4, 0.004)
+    assert policy.rate() is None  # drafted, but no verdict yet
+    for _ in range(20):
+        policy.record_verdict(4, 3)  # three of four accepted, every step
+    k = policy.choose(4)
+    assert k == policy.settled > 0
+    expected = expected_tokens(policy.acceptance[:k]) / (k * 0.001 + costs.estimate(k + 1))
+    assert policy.rate() == pytest.approx(expected)
+    shared = expected_tokens(policy.acceptance[:k]) / (k * 0.001 + costs.estimate(2 * (k + 1)) / 2)
+    assert policy.rate(batch_size=2) == pytest.approx(shared)  # its share of a forward with another sequence's
+    for _ in range(40):
+        policy.record_verdict(4, 0)  # nothing accepted any more: switched off
+    policy.choose(4)
+    assert policy.settled == 0 and policy.rate() == pytest.approx(1 / costs.estimate(1))  # target-only's
+    tree = AdaptiveTree(tree_costs())
+    tree.record_draft(8, 0.008)
+    assert tree.rate() is None  # drafted, but no verdict yet
+    for _ in range(30):
+        tree.record_verdict(8, 3)
+    tree.choose(8)
+    n = tree.settled
+    assert tree.rate() == pytest.approx((1 + tree.accepted_depth(n)) / (n * 0.001 + tree_costs().estimate(n + 1)))
+
+
+def renamed(drafter, name: str):
+    drafter.name = name
+    return drafter
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["ranked", "given order (control)"])
+def test_auto_tries_the_candidate_that_pays_most_first(adaptive, monkeypatch):
+    """Two candidates that both pay, the better one given second: ranked by measured rate, the
+    second drafts nearly every step (the first still now and then, so that it is measured
+    again); in the given order (the control: fixed k) the first hides the second."""
+    target = tiny_llama(seed=1)
+    expected = [hf_greedy(target, prompt, 40) for prompt in PROMPTS]
+    engine = SpeculativeEngine(target, num_speculative_tokens=4, adaptive=adaptive)
+    adapting_on_acceptance(engine, monkeypatch)
+    good = renamed(ModelDrafter(HFModelRunner(nearby_draft(target, 0.5))), "good")
+    better = renamed(ModelDrafter(HFModelRunner(nearby_draft(target, 0.0))), "better")  # the target itself
+    engine.drafter = AutoDrafter([good, better])
+    results = engine.generate(PROMPTS, max_new_tokens=40)
+    assert [r.token_ids for r in results] == expected
+    drafted = {
+        name: sum(r.stats.drafted_by_source.get(name, [0, 0])[0] for r in results) for name in ("good", "better")
+    }
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert accepted > 0
+    if adaptive:
+        assert drafted["better"] > 4 * drafted["good"] > 0
+    else:
+        assert drafted["better"] == 0 and drafted["good"] > 0
+
+
 # --- tree sizes (AdaptiveTree) ---
 
 

@@ -39,7 +39,9 @@ def drafters(target, family):
         "cross-tokenizer, random draft": CrossTokenizerDrafter(
             HFModelRunner(permuted_vocabulary(random_draft)[0]), permuted_vocabulary(random_draft)[1], tiny_tokenizer()
         ),
-        "auto, adaptive": AutoDrafter([PromptLookupDrafter(), ModelDrafter(HFModelRunner(target))]),
+        # prompt lookup, which pays where the text repeats, and a draft that never pays (its k
+        # adapts to 0); each tried first while its measurements rank it first
+        "auto, adaptive": AutoDrafter([PromptLookupDrafter(), ModelDrafter(HFModelRunner(random_draft))]),
     }
 
 

@@ -19,6 +19,11 @@ nodes that does as well is cheaper), so that it gets tried, and measured. One st
 is a noisy integer, so a size's A(n) is a discounted mean with a bonus for sizes measured
 little or long ago (discounted UCB): a size left after unlucky steps is tried again.
 
+Ranking. A sequence with several drafters (`auto`) tries them best first: by the tokens per
+second each one's settled choice is expected to give (`rate`), those not measured yet first, in
+their given order, so that they get measured; every RANK_PROBE_EVERY-th step of the sequence that
+explores tries them in their given order instead, so that a drafter ranked low is measured again.
+
 Exploring. What a policy returns may explore (a size chosen on its bonus, a probe); `settled`
 is what pays on what was measured alone. In a batch the decoder lets one sequence a step
 explore and the others draft `settled`: a batch's forward is not flat in its tokens, and
@@ -46,6 +51,7 @@ TREE_SIZES = (0, 2, 4, 8, 12, 16, 24, 32)
 # one, and past it the cost grows about linearly (benchmarks/results/tree-attention.md); each
 # step's size below it is AdaptiveTree's choice
 DEFAULT_TREE_NODES = 16
+RANK_PROBE_EVERY = 16  # steps between two in which the exploring sequence tries its drafters in their given order
 TREE_MEMORY = 0.99  # weight a tree size's measurement keeps per step: about the last 100 steps count
 TREE_BONUS = 0.5  # tokens of optimism for a size measured once (AdaptiveTree.bonus)
 
@@ -126,6 +132,25 @@ class _Policy:
         self._off_steps = 0
         self._probe_every = PROBE_EVERY[0]
 
+    def rate(self, batch_size: int = 1) -> float | None:
+        """Expected tokens per second of a step that drafts `settled` (target-only's where it is
+        0); None before a draft, a verdict on one and a step were measured."""
+        if self.draft_seconds_per_token is None or not self.step_costs.seconds or not self._judged():
+            return None
+        verify_seconds = self._verify_seconds(batch_size)
+        if self.settled == 0:
+            return 1.0 / verify_seconds(1)
+        tokens, drafted = self._settled_yield()
+        return tokens / (drafted * self.draft_seconds_per_token + verify_seconds(drafted + 1))
+
+    def _judged(self) -> bool:
+        """Whether a verdict on a draft was recorded."""
+        raise NotImplementedError
+
+    def _settled_yield(self) -> tuple[float, float]:
+        """(tokens emitted, tokens drafted) of a step that drafts `settled`."""
+        raise NotImplementedError
+
     def record_draft(self, num_drafted: int, seconds: float) -> None:
         self.draft_seconds_per_token = ema(self.draft_seconds_per_token, seconds / max(num_drafted, 1))
 
@@ -170,6 +195,12 @@ class AdaptiveK(_Policy):
         k = best_k(self._acceptance(k_max), self.draft_seconds_per_token, self._verify_seconds(batch_size))
         self.settled = k
         return self._or_probe(k, k_max)
+
+    def _judged(self) -> bool:
+        return bool(self.acceptance)
+
+    def _settled_yield(self) -> tuple[float, float]:
+        return expected_tokens(self._acceptance(self.settled)), float(self.settled)
 
     def _acceptance(self, positions: int) -> list[float]:
         return (self.acceptance + [self._unreached()] * positions)[:positions]
@@ -260,6 +291,12 @@ class AdaptiveTree(_Policy):
         # the bonus picks among sizes that pay; where none does on what was measured, decoding
         # goes target-only and probes (the most hopeful size) ever more rarely, as AdaptiveK does
         return hopeful if likely > 0 else self._or_probe(0, hopeful or k_max)
+
+    def _judged(self) -> bool:
+        return bool(self._weight)
+
+    def _settled_yield(self) -> tuple[float, float]:
+        return 1.0 + self.accepted_depth(self.settled), self.nodes_proposed(self.settled)
 
     def accepted_depth(self, size: int) -> float:
         """Measured for size, else the next larger measured size's (else the largest's below),

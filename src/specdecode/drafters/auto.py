@@ -1,11 +1,13 @@
 """Several drafters behind one name: each step, the first candidate that proposes drafts.
 
-Candidates come cheapest first (prompt lookup before a draft model). `AutoDrafter` is a
+Candidates are given cheapest first (prompt lookup before a draft model). `AutoDrafter` is a
 `Drafter` like the others, so the engine holds one drafter whatever was asked; the decoder
 runs its candidates one by one (`candidates_of`) to choose each candidate's k from that
 candidate's own measured acceptance and cost (core/adaptive.py), so a candidate that does
-not pay proposes nothing and the next one, or target-only decoding, takes over. Its own
-`propose` (first candidate with a draft, all at the same k) is for a caller without that policy.
+not pay proposes nothing and the next one, or target-only decoding, takes over; with adaptive
+k it tries them best first, by the tokens per second each is measured to give (Decoder._ranked).
+Its own `propose` (first candidate with a draft, all at the same k, in the given order) is for a
+caller without those policies.
 """
 
 from __future__ import annotations

@@ -162,9 +162,11 @@ def _given_drafter(
 
 
 def _auto(target: ModelRunner, options: DrafterOptions, store: DraftStore | None, given: Drafter | None) -> Drafter:
-    """`auto`'s candidates. Each step the decoder tries them in order and the first that proposes
-    drafts wins; with adaptive k each proposes only while it pays (core/adaptive.py), so one that
-    always proposes hides those after it whenever it pays. In order:
+    """`auto`'s candidates. Each step the decoder tries them and the first that proposes drafts
+    wins; with adaptive k each proposes only while it pays, and they are tried best first by the
+    tokens per second each was measured to give (core/adaptive.py, "Ranking"), so that one that
+    always proposes hides the others only while it pays most; the order below is the one they
+    start in, and the one without adaptive k (seeded sampling). In order:
     - prompt lookup: only where the text repeats the prompt or itself (a tree if the target verifies trees);
     - the draft store (`suffix`): only where earlier requests' text continues this one;
     - the given drafter: a draft head (the folder given as draft, or the head shipped for the
