@@ -120,7 +120,13 @@ def products(args) -> str:
 
 def engine_for(args) -> SpeculativeEngine:
     return SpeculativeEngine.from_pretrained(
-        args.target, device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter="none", quantization=args.quantization
+        args.target,
+        device="cpu",
+        dtype=args.dtype,
+        cache=NO_CACHE,
+        drafter="none",
+        quantization=args.quantization,
+        keep_model_weights=True,  # the heads' drafters are made after loading, from the model's own layers
     )
 
 
