@@ -273,8 +273,7 @@ def report(rows: dict, base: SpeculativeEngine, args) -> str:
         "Each cell: speed against target-only (mean of the prompts' tokens per second, ratio), then tokens per "
         "target forward.",
         "",
-        "| category (prompts) | " + " | ".join(names) + " | outputs identical |",
-        "|---" * (len(names) + 2) + "|",
+        *table_head(["category (prompts)", *names, "outputs identical"]),
     ]
     for category in categories + ["all"]:
         chosen = categories if category == "all" else [category]
@@ -291,6 +290,11 @@ def report(rows: dict, base: SpeculativeEngine, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def table_head(columns: list[str]) -> list[str]:
+    """A markdown table's header and rule."""
+    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+
+
 def tree_report(trees: dict[tuple[str, str], Counter], engines: dict[str, SpeculativeEngine]) -> str:
     """The tree sizes each system's policy chose, by category (the kept result of each prompt),
     and the verification costs it chose them by: what each system's decoder measured."""
@@ -303,8 +307,7 @@ def tree_report(trees: dict[tuple[str, str], Counter], engines: dict[str, Specul
         "Tree sizes chosen (AdaptiveTree, core/adaptive.py): nodes per tree step, mean, then the sizes most "
         "chosen as nodes: steps.",
         "",
-        "| category | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
+        *table_head(["category", *names]),
     ]
     for category in categories + ["all"]:
         chosen = categories if category == "all" else [category]
