@@ -166,10 +166,10 @@ class SpeculativeEngine:
         and the rest on transformers' modeling; "transformers" forces the latter.
         drafter "auto": prompt lookup, then the draft store (`suffix`, when cache.draft_store is on),
         then the draft model if one is given; each step the first that proposes, tried best first
-        by measured tokens per second with adaptive k, under which each proposes only while it pays. Where the target verifies trees (the fast runner's
-        `verifies_trees`): `recycling` (the target's own past predictions, prompt lookup's
-        continuations first), then a prompt-lookup tree (for seeded samples, which skip
-        recycling), then the draft model's trees.
+        by measured tokens per second with adaptive k, under which each proposes only while it
+        pays. Where the target verifies trees (the fast runner's `verifies_trees`): `recycling`
+        (the target's own past predictions, prompt lookup's continuations first), then a
+        prompt-lookup tree (for seeded samples, which skip recycling), then the draft model's trees.
         max_model_len: the most tokens a sequence may hold (default: the model's context).
         cache: the response cache and the draft store, in process or on Redis (default: both in
         process; `CacheOptions(response_cache=False, draft_store=False)` for neither).

@@ -158,11 +158,6 @@ def test_rate_is_the_settled_steps_expected_tokens_per_second():
     assert tree.rate() == pytest.approx((1 + tree.accepted_depth(n)) / (n * 0.001 + tree_costs().estimate(n + 1)))
 
 
-def renamed(drafter, name: str):
-    drafter.name = name
-    return drafter
-
-
 @pytest.mark.parametrize("adaptive", [True, False], ids=["ranked", "given order (control)"])
 def test_auto_tries_the_candidate_that_pays_most_first(adaptive, monkeypatch):
     """Two candidates that both pay, the better one given second: ranked by measured rate, the
@@ -172,8 +167,8 @@ def test_auto_tries_the_candidate_that_pays_most_first(adaptive, monkeypatch):
     expected = [hf_greedy(target, prompt, 40) for prompt in PROMPTS]
     engine = SpeculativeEngine(target, num_speculative_tokens=4, adaptive=adaptive)
     adapting_on_acceptance(engine, monkeypatch)
-    good = renamed(ModelDrafter(HFModelRunner(nearby_draft(target, 0.5))), "good")
-    better = renamed(ModelDrafter(HFModelRunner(nearby_draft(target, 0.0))), "better")  # the target itself
+    good = ModelDrafter(HFModelRunner(nearby_draft(target, 0.5)), name="good")
+    better = ModelDrafter(HFModelRunner(nearby_draft(target, 0.0)), name="better")  # the target itself
     engine.drafter = AutoDrafter([good, better])
     results = engine.generate(PROMPTS, max_new_tokens=40)
     assert [r.token_ids for r in results] == expected
