@@ -228,29 +228,55 @@ static void window_starts(const Forward *f, int s, int64_t c0, int64_t n, int wi
     }
 }
 
-static int attend_rows(const Forward *f, int layer, const void *qkv, void *out) {
+/* one attention call: queries c0 .. c0 + n - 1 of sequence s, on threads threads */
+static int attend_chunk(const Forward *f, int layer, int s, int64_t c0, int threads, const void *qkv, void *out) {
     const int d = f->d, heads = f->heads, kv_heads = f->kv_heads, window = f->weights[layer].window;
     const size_t item = elem_size(f->dtype);
     const int64_t width = (int64_t)(heads + 2 * kv_heads) * d;
+    const int64_t n = f->counts[s] - c0 < ATTENTION_CHUNK ? f->counts[s] - c0 : ATTENTION_CHUNK;
+    const int64_t row = f->starts[s] + c0;
     int32_t first[ATTENTION_CHUNK];
-    for (int s = 0; s < f->sequences; s++) {
+    if (window > 0) window_starts(f, s, c0, n, window, first);
+    Args a = {f->dtype, heads, kv_heads, (int32_t)n, d, f->max_extra[s], threads, f->scale,
+              d, width, f->capacities[s] * d, d, (int64_t)heads * d,
+              f->contiguous[s] + c0, f->extra[s] + c0 * f->max_extra[s], window > 0 ? first : NULL,
+              f->softcap};
+    int status = sd_tree_attention(&a, (const char *)qkv + (size_t)(row * width) * item,
+                                   f->keys[(int64_t)s * f->layers + layer], f->values[(int64_t)s * f->layers + layer],
+                                   (char *)out + (size_t)(row * heads * d) * item);
+    return status ? 10 - status : 0;
+}
+
+/* whether a call runs on one thread whatever it is given (sd_tree_attention's own test) */
+static int one_thread_chunk(const Forward *f, int s, int64_t c0) {
+    const int64_t n = f->counts[s] - c0 < ATTENTION_CHUNK ? f->counts[s] - c0 : ATTENTION_CHUNK;
+    int64_t keys = 0;
+    for (int64_t i = 0; i < n; i++) keys = f->contiguous[s][c0 + i] > keys ? f->contiguous[s][c0 + i] : keys;
+    return (long)f->heads * n * (keys + f->max_extra[s]) * f->d < PARALLEL_MIN_WORK;
+}
+
+/* Every sequence's attention. A call too small to share among threads (a decoding sequence's
+ * one query) runs on one thread, so such calls run side by side, one per thread; the larger
+ * ones (prefills, long drafts) after them, one at a time on every thread. A call's result does
+ * not depend on its threads, so neither does the order. */
+static int attend_rows(const Forward *f, int layer, const void *qkv, void *out) {
+    const int window = f->weights[layer].window;
+    for (int s = 0; s < f->sequences; s++)
         if (window > 0 && f->max_extra[s] >= window) return 4; /* a tree deeper than the window */
+    int failed = 0;
+#pragma omp parallel for num_threads(f->threads) if (f->threads > 1 && f->sequences > 1) schedule(dynamic, 1)
+    for (int s = 0; s < f->sequences; s++)
         for (int64_t c0 = 0; c0 < f->counts[s]; c0 += ATTENTION_CHUNK) {
-            int64_t n = f->counts[s] - c0 < ATTENTION_CHUNK ? f->counts[s] - c0 : ATTENTION_CHUNK;
-            int64_t row = f->starts[s] + c0;
-            if (window > 0) window_starts(f, s, c0, n, window, first);
-            Args a = {f->dtype, heads, kv_heads, (int32_t)n, d, f->max_extra[s], f->threads, f->scale,
-                      d, width, f->capacities[s] * d, d, (int64_t)heads * d,
-                      f->contiguous[s] + c0, f->extra[s] + c0 * f->max_extra[s], window > 0 ? first : NULL,
-                      f->softcap};
-            int status = sd_tree_attention(&a, (const char *)qkv + (size_t)(row * width) * item,
-                                           f->keys[(int64_t)s * f->layers + layer],
-                                           f->values[(int64_t)s * f->layers + layer],
-                                           (char *)out + (size_t)(row * heads * d) * item);
-            if (status) return 10 - status;
+            int status = one_thread_chunk(f, s, c0) ? attend_chunk(f, layer, s, c0, 1, qkv, out) : 0;
+            if (status) {
+#pragma omp atomic write
+                failed = status;
+            }
         }
-    }
-    return 0;
+    for (int s = 0; s < f->sequences && !failed; s++)
+        for (int64_t c0 = 0; c0 < f->counts[s] && !failed; c0 += ATTENTION_CHUNK)
+            if (!one_thread_chunk(f, s, c0)) failed = attend_chunk(f, layer, s, c0, f->threads, qkv, out);
+    return failed;
 }
 
 static void add_rows(const Forward *f, void *x, const void *y) {
