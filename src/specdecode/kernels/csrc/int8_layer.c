@@ -45,7 +45,7 @@ enum { NORM_ROUNDED = 0, NORM_PLUS_ONE = 1 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 #define ATTENTION_CHUNK 64 /* queries per attention call: a long prefill's scores stay small */
-#define PARALLEL_ROWS 16   /* row loops of fewer rows run on one thread */
+#define PARALLEL_ROWS 4    /* row loops of fewer rows run on one thread */
 
 typedef int (*QuantizedProduct)(int dtype, int64_t n, int64_t k, int64_t m, const void *x, int64_t x_row_stride,
                                 const int8_t *packed, const int32_t *compensation, const float *weight_scales,
