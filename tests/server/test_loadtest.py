@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 from rich.console import Console
 from typer.testing import CliRunner
 
 from helpers import SERVED_MODEL as MODEL
 from helpers import CrashAt, metric, serving, wait_for
-from specdecode import SpeculativeEngine
+from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.cli import app as cli_app
-from specdecode.server import create_app
+from specdecode.server import create_app, loadtest
 from specdecode.server.faults import RandomFaults
 from specdecode.server.loadtest import run_loadtest, server_metrics, started_server
 
@@ -99,3 +101,27 @@ def test_a_keyed_server_is_load_tested_with_its_key_and_named_without_it(tiny_mo
             assert result.exit_code == 2 and "--api-key" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(cli_app, ["loadtest", "--api-key", "sesame"])
     assert result.exit_code == 2 and "--api-key is for a running server's --url" in result.output
+
+
+def test_a_running_server_s_caches_are_named_and_the_server_started_here_has_none(tiny_model_dir, monkeypatch):
+    """Every level sends the same requests: a server whose response cache answers the later
+    levels is named in a warning, one without caches is not; the server loadtest starts runs
+    without them."""
+    runner = CliRunner()
+    args = ["loadtest", "--requests", "2", "--concurrency", "1,2", "--max-tokens", "4"]
+    for options, warned in ((CacheOptions(), True), (CacheOptions(response_cache=False, draft_store=False), False)):
+        engine = SpeculativeEngine.from_pretrained(tiny_model_dir, cache=options)
+        with serving(create_app(engine, model_name=MODEL)) as url:
+            result = runner.invoke(cli_app, [*args, "--url", url])
+        assert result.exit_code == 0, result.output
+        assert ("--no-response-cache --no-draft-store" in result.output) is warned, result.output
+    started = []
+    monkeypatch.setattr(loadtest, "serve_process", lambda args, **_: started.append(args) or _no_server())
+    with started_server(None, "a-model", 4, None, Console()):
+        pass
+    assert "--no-response-cache" in started[0] and "--no-draft-store" in started[0]
+
+
+@contextlib.contextmanager
+def _no_server():
+    yield "http://127.0.0.1:9/v1"

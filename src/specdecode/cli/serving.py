@@ -255,7 +255,7 @@ def loadtest(
 ) -> None:
     """Throughput and latency percentiles of an OpenAI-compatible server at several concurrency levels."""
     from specdecode.bench.prompts import load_prompts
-    from specdecode.server.loadtest import print_level, run_loadtest, server_metrics, started_server
+    from specdecode.server.loadtest import cache_warning, print_level, run_loadtest, server_metrics, started_server
 
     with user_errors():
         levels = _positive_ints(concurrency, "--concurrency")
@@ -285,6 +285,8 @@ def loadtest(
             metrics = server_metrics(base_url, api_key)
     summary = {"levels": [r.as_dict() for r in results], "server_metrics": metrics}
     stderr.print(f"server counters after the run: {metrics}")
+    if (warning := cache_warning(metrics)) is not None:
+        stderr.print(f"warning: {warning}", highlight=False)
     if output:
         with open(output, "w") as f:
             json.dump(summary, f, indent=2)

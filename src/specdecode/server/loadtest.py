@@ -204,7 +204,10 @@ def started_server(
         api_base = url.rstrip("/").removesuffix("/v1") + "/v1"
         yield api_base, _served_model(api_base, api_key)
         return
+    # every level sends the same requests: a response cache would answer the later levels from
+    # memory and a draft store would draft them from the earlier answers, so neither runs here
     args = ["--target", target, "--max-batch-size", str(max_batch_size), "--dtype", dtype]
+    args += ["--no-response-cache", "--no-draft-store"]
     args += ["--inject-faults", inject_faults] if inject_faults else []
     with serve_process(
         args, on_start=lambda log: console.status(f"Starting `specdecode serve --target {target}` (log: {log})")
@@ -309,6 +312,8 @@ def server_metrics(base_url: str, api_key: str | None = None) -> dict[str, float
         "engine_step_retries",
         "engine_worker_restarts",
         "spec_decode_draft_acceptance_rate",
+        "response_cache_lookups",
+        "draft_store_tokens",
     )
     values = {}
     for family in text_string_to_metric_families(text):
@@ -319,6 +324,20 @@ def server_metrics(base_url: str, api_key: str | None = None) -> dict[str, float
                 label = ",".join(f"{k}={v}" for k, v in sample.labels.items())
                 values[sample.name.removeprefix("specdecode:") + (f"{{{label}}}" if label else "")] = sample.value
     return values
+
+
+def cache_warning(metrics: dict[str, float]) -> str | None:
+    """What a running server's caches did to a load test that sends the same requests at every
+    level (server_metrics' counters after it), or None where they did nothing."""
+    hits = metrics.get("response_cache_lookups_total{result=hit}", 0.0)
+    stored = metrics.get("draft_store_tokens", 0.0)
+    if not hits and not stored:
+        return None
+    done = f"{hits:.0f} answers came from its response cache" if hits else "its draft store held earlier answers"
+    return (
+        f"the server's caches were on ({done}): every level sends the same requests, so the later levels "
+        "measure the caches; start it with --no-response-cache --no-draft-store"
+    )
 
 
 def print_level(result: LevelResult, console: Console | None = None) -> None:
