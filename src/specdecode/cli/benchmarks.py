@@ -229,7 +229,9 @@ def profile(
         typer.Option(help="Also time the fast runner compiled by torch.compile, 1 and 5 tokens (slow: each compiles)."),
     ] = False,
     prefix: Annotated[int, typer.Option(help="Cached tokens before the timed forward.")] = 200,
-    repeats: Annotated[int, typer.Option(help="Timed forwards per size (the median is shown).")] = 7,
+    repeats: Annotated[
+        int, typer.Option(help="Rounds of timed forwards, each size once a round (medians and spreads are shown).")
+    ] = 15,
 ) -> None:
     """Time cached forwards over 1-32 new tokens beside the memory-bandwidth and compute floors."""
     from specdecode.loading import load_model

@@ -41,6 +41,16 @@ class ForwardCost:
     seconds: float  # median of the repeats
     bandwidth_floor: float
     compute_floor: float
+    spread: float = 0.0  # half the interquartile range of the repeats, over their median
+    ratio: float = 1.0  # median over rounds of this size's time over the smallest size's in the same round
+    ratio_spread: float = 0.0  # half the interquartile range of those ratios
+
+
+def _half_iqr(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(values, n=4)
+    return (high - low) / 2
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
@@ -114,6 +124,8 @@ def profile_forward(
     Each forward returns logits for all n positions, as verifying n - 1 drafts needs. The sizes
     are timed in rounds, each size once a round (after two untimed rounds): a neighbour's burst
     on a shared machine then lands on every size alike, not on the one timed while it lasted.
+    A size's cost relative to the smallest is taken within each round (a pair timed moments
+    apart) and the median of those ratios given, with the spread of both.
     """
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, runner.vocab_size, (prefix + max(new_tokens),), generator=generator)
@@ -130,31 +142,41 @@ def profile_forward(
             elapsed = timed(lambda: forward(n))[1]  # noqa: B023 - called now, in this iteration
             if round_ >= 2:  # the first rounds allocate
                 seconds[n].append(elapsed)
-    return [
-        ForwardCost(
-            n,
-            statistics.median(seconds[n]),
-            bandwidth_floor=weight_bytes(model) / hardware.read_bandwidth,
-            compute_floor=forward_flops(model, n, prefix + n) / hardware.matmul_flops,
+    costs = []
+    for n in new_tokens:
+        median = statistics.median(seconds[n])
+        ratios = [t / first for t, first in zip(seconds[n], seconds[new_tokens[0]], strict=True)]
+        costs.append(
+            ForwardCost(
+                n,
+                median,
+                bandwidth_floor=weight_bytes(model) / hardware.read_bandwidth,
+                compute_floor=forward_flops(model, n, prefix + n) / hardware.matmul_flops,
+                spread=_half_iqr(seconds[n]) / median,
+                ratio=statistics.median(ratios),
+                ratio_spread=_half_iqr(ratios),
+            )
         )
-        for n in new_tokens
-    ]
+    return costs
 
 
 def render_table(title: str, costs: list[ForwardCost]):
-    """A rich table: each measured time beside its two floors and the cost relative to 1 token."""
+    """A rich table: each measured time (and its spread) beside its two floors, and the cost
+    relative to the first size's, taken round by round (and its spread)."""
     from rich.table import Table
 
     table = Table(title=title)
-    for column in ("new tokens", "forward ms", "x 1-token", "bandwidth floor ms", "compute floor ms", "x max floor"):
+    columns = ("new tokens", "forward ms", "± %", f"x {costs[0].new_tokens}-token", "±")
+    for column in (*columns, "bandwidth floor ms", "compute floor ms", "x max floor"):
         table.add_column(column, justify="right")
-    one = costs[0].seconds
     for c in costs:
         floor = max(c.bandwidth_floor, c.compute_floor)
         table.add_row(
             str(c.new_tokens),
-            f"{c.seconds * 1e3:.1f}",
-            f"{c.seconds / one:.2f}",
+            f"{c.seconds * 1e3:.2f}",
+            f"{c.spread * 100:.0f}",
+            f"{c.ratio:.2f}",
+            f"{c.ratio_spread:.2f}",
             f"{c.bandwidth_floor * 1e3:.1f}",
             f"{c.compute_floor * 1e3:.1f}",
             f"{c.seconds / floor:.1f}",
