@@ -335,6 +335,8 @@ typedef struct {
     float *xv;     /* [g][n][max_extra][dp] each query's extra values */
     float *p;      /* [threads][PV_ROWS][row_len] weights */
     long contig_end;
+    int streamed; /* one query whose rows fit one row block: keys and values converted as they are
+                   * used (each once), kt and vrows left out; the same arithmetic, so the same bits */
 } Call;
 
 static inline int extras_of(const Call *c, int query) { /* count of extra[query, :] before the first -1 */
@@ -358,17 +360,22 @@ static void value_row(const Call *c, float *dst, const char *src) {
     memset(dst + c->d, 0, (size_t)(c->dp - c->d) * sizeof(float));
 }
 
-/* phase 1: key block b of head g transposed, its value rows in float32 */
-static void prepare_block(const Call *c, int g, long b) {
-    const int d = c->d, dp = c->dp;
+/* key block b of head g (keys b * 16 .. below cmax) transposed into kt */
+static void transpose_block(const Call *c, int g, long b, float *kt) {
     const char *keys = c->keys + (long)g * c->kv_head_stride * c->esize;
-    const char *values = c->values + (long)g * c->kv_head_stride * c->esize;
     const char *rows[LANES];
     int count = c->cmax - b * LANES < LANES ? (int)(c->cmax - b * LANES) : LANES;
-    for (int l = 0; l < count; l++) rows[l] = keys + (b * LANES + l) * d * c->esize;
-    transpose_keys(c->kt + ((long)g * c->blocks + b) * dp * LANES, rows, count, d, dp, c->dtype);
+    for (int l = 0; l < count; l++) rows[l] = keys + (b * LANES + l) * c->d * c->esize;
+    transpose_keys(kt, rows, count, c->d, c->dp, c->dtype);
+}
+
+/* phase 1: key block b of head g transposed, its value rows in float32 */
+static void prepare_block(const Call *c, int g, long b) {
+    const char *values = c->values + (long)g * c->kv_head_stride * c->esize;
+    int count = c->cmax - b * LANES < LANES ? (int)(c->cmax - b * LANES) : LANES;
+    transpose_block(c, g, b, c->kt + ((long)g * c->blocks + b) * c->dp * LANES);
     for (int l = 0; l < count; l++)
-        value_row(c, c->vrows + ((long)g * c->cmax + b * LANES + l) * dp, values + (b * LANES + l) * d * c->esize);
+        value_row(c, c->vrows + ((long)g * c->cmax + b * LANES + l) * c->dp, values + (b * LANES + l) * c->d * c->esize);
 }
 
 /* phase 2a: scores of QK_ROWS rows from r0 over key blocks [b_from, b_to) that one of them needs */
@@ -386,10 +393,15 @@ static void contiguous_scores(const Call *c, int g, int r0, long b_from, long b_
     }
     long need_blocks = (need + LANES - 1) / LANES;
     b_to = b_to < need_blocks ? b_to : need_blocks;
+    float streamed[2 * MAX_DIM * LANES];
     for (long b = b_from; b < b_to; b += 2) {
         float *out[QK_ROWS];
         for (int r = 0; r < QK_ROWS; r++) out[r] = scores_of(c, g, r0 + r < c->rows ? r0 + r : c->rows - 1) + b * LANES;
         const float *kt = c->kt + ((long)g * c->blocks + b) * c->dp * LANES;
+        if (c->streamed) { /* this item is the only one to read these blocks */
+            for (long bb = b; bb < b + 2 && bb < b_to; bb++) transpose_block(c, g, bb, streamed + (bb - b) * c->dp * LANES);
+            kt = streamed;
+        }
         if (b + 1 < b_to)
             scores_rows(q, kt, c->dp * LANES, 2, d, c->scale, out);
         else
@@ -428,6 +440,21 @@ static void extra_scores(const Call *c, int g, int query) {
     for (int e = 0; e < extras; e++) value_row(c, xv + (long)e * c->dp, values + (long)slots[e] * d * c->esize);
 }
 
+/* weigh_values_any over the values of positions f .. f + seen - 1 of head g read from the cache,
+ * 16 rows at a time converted to float32: each output element still adds its terms in logical order */
+static void weigh_streamed(const Call *c, int g, long f, long seen, vf (*acc)[MAX_BLOCKS], const float *const *p,
+                           int count, int b0, int chunk) {
+    const char *values = c->values + (long)g * c->kv_head_stride * c->esize;
+    float rows[LANES * MAX_DIM];
+    for (long j0 = 0; j0 < seen; j0 += LANES) {
+        long m = seen - j0 < LANES ? seen - j0 : LANES;
+        for (long j = 0; j < m; j++) value_row(c, rows + j * c->dp, values + (f + j0 + j) * c->d * c->esize);
+        const float *pj[PV_ROWS];
+        for (int r = 0; r < PV_ROWS; r++) pj[r] = p[r] + j0;
+        weigh_values_any(acc, pj, count, rows, c->dp, m, b0, chunk);
+    }
+}
+
 /* phase 3: weights of a query's rows h0 .. h0+PV_ROWS-1 of head g (their logical order: the
  * contiguous scores, then the extras'), and their weighted values over one chunk of d */
 static void weigh(const Call *c, int g, int query, int h0, int dchunk, float *p_scratch) {
@@ -454,7 +481,10 @@ static void weigh(const Call *c, int g, int query, int h0, int dchunk, float *p_
     int chunk = c->nb / c->dchunks, b0 = dchunk * chunk;
     for (int r = 0; r < PV_ROWS; r++)
         for (int b = 0; b < chunk; b++) acc[r][b] = splat(0.0f);
-    weigh_values_any(acc, p, count, c->vrows + ((long)g * c->cmax + f) * c->dp, c->dp, seen, b0, chunk);
+    if (c->streamed)
+        weigh_streamed(c, g, f, seen, acc, p, count, b0, chunk);
+    else
+        weigh_values_any(acc, p, count, c->vrows + ((long)g * c->cmax + f) * c->dp, c->dp, seen, b0, chunk);
     if (extras > 0) {
         const float *px[PV_ROWS];
         for (int r = 0; r < PV_ROWS; r++) px[r] = p[r] + seen;
@@ -488,7 +518,7 @@ static void run(Call *c, int threads) {
 #endif
         float *p_scratch = c->p + (long)thread * PV_ROWS * c->row_len;
 #pragma omp for schedule(static)
-        for (long i = 0; i < prepare_items; i++) prepare_block(c, (int)(i / c->blocks), i % c->blocks);
+        for (long i = 0; i < (c->streamed ? 0 : prepare_items); i++) prepare_block(c, (int)(i / c->blocks), i % c->blocks);
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < score_items + extra_items; i++) {
             if (i < score_items) {
@@ -566,7 +596,9 @@ int sd_tree_attention(const Args *a, const void *q, const void *keys, const void
     c.hblocks = (c.group + PV_ROWS - 1) / PV_ROWS;
     /* phase 3 splits d in two where it has too few items to keep the threads busy */
     c.dchunks = threads > 1 && (long)kv_heads * n * c.hblocks < 4L * threads && c.nb % 2 == 0 ? 2 : 1;
-    size_t kt = (size_t)kv_heads * c.blocks * c.dp * LANES, vr = (size_t)kv_heads * c.cmax * c.dp;
+    c.streamed = n == 1 && c.group <= QK_ROWS;
+    size_t kt = c.streamed ? 0 : (size_t)kv_heads * c.blocks * c.dp * LANES;
+    size_t vr = c.streamed ? 0 : (size_t)kv_heads * c.cmax * c.dp;
     size_t sc = (size_t)kv_heads * c.rows * c.row_len, xv = (size_t)kv_heads * n * max_extra * c.dp;
     size_t pw = (size_t)threads * PV_ROWS * c.row_len;
     float *scratch = (float *)aligned_alloc(64, ((kt + vr + sc + xv + pw) * sizeof(float) + 63) / 64 * 64);
