@@ -23,7 +23,10 @@ def test_levels_report_throughput_latency_and_greedy_equality(tiny_model_dir):
     engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
     with serving(create_app(engine, model_name=MODEL)) as url:
         one, four = run_loadtest(f"{url}/v1", MODEL, PROMPTS * 2, [1, 4], max_tokens=10)
+        counters = server_metrics(f"{url}/v1")
     assert one.completed == four.completed == 16 and one.failed == four.failed == 0
+    # the requests went once more before the levels, untimed: no level met a cold server
+    assert sum(v for k, v in counters.items() if k.startswith("request_success_total")) == 3 * 16
     assert four.identical_to_one_at_a_time == four.compared_to_one_at_a_time == 16
     assert four.speedup_vs_one_at_a_time > 0 and one.output_tokens == four.output_tokens > 0
     assert 0 < four.ttft_p50_s <= four.ttft_p99_s and 0 < four.e2e_p50_s <= four.e2e_p99_s
@@ -47,7 +50,9 @@ def test_no_request_is_lost_or_hung_under_faults_and_disconnects(tiny_model_dir)
     """A small version of the 500-request run in the closing note."""
     engine = SpeculativeEngine.from_pretrained(tiny_model_dir)
     with serving(create_app(engine, model_name=MODEL, faults=Faults())) as url:
-        (level,) = run_loadtest(f"{url}/v1", MODEL, PROMPTS * 8, [8], max_tokens=12, disconnect_rate=0.2, timeout_s=60)
+        (level,) = run_loadtest(
+            f"{url}/v1", MODEL, PROMPTS * 8, [8], max_tokens=12, disconnect_rate=0.2, timeout_s=60, warm_up=False
+        )
         assert level.completed + level.disconnected + level.failed == 64
         assert level.disconnected > 0 and level.completed > 0
         # a request may fail only by an injected fault that persisted through its retries; none timed out

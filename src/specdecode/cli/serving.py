@@ -252,6 +252,9 @@ def loadtest(
         Optional[str],
         typer.Option(envvar="SPECDECODE_API_KEY", help="With --url: the server's API key (sent on /v1 and /metrics)."),
     ] = None,
+    warm_up: Annotated[
+        bool, typer.Option(help="Send the requests once, untimed, before the levels (no level meets a cold server).")
+    ] = True,
 ) -> None:
     """Throughput and latency percentiles of an OpenAI-compatible server at several concurrency levels."""
     from specdecode.bench.prompts import load_prompts
@@ -281,6 +284,7 @@ def loadtest(
                 disconnect_rate,
                 api_key=api_key or "unused",
                 on_level=print_level,
+                warm_up=warm_up,
             )
             metrics = server_metrics(base_url, api_key)
     summary = {"levels": [r.as_dict() for r in results], "server_metrics": metrics}

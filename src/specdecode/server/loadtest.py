@@ -166,9 +166,14 @@ def run_loadtest(
     timeout_s: float = 600.0,
     api_key: str = "unused",
     on_level: Callable[[LevelResult], None] | None = None,
+    warm_up: bool = True,
 ) -> list[LevelResult]:
-    """Each level in turn on the same prompts; ratios and greedy equality against level 1 when it is run first."""
+    """Each level in turn on the same prompts; ratios and greedy equality against level 1 when it
+    is run first. warm_up: the prompts sent once, untimed, at the highest level first, so that no
+    level pays for a cold server (first allocations, drafters' policies measured from nothing)."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
+    if warm_up:
+        run_level(client, model, prompts, max(levels), max_tokens, temperature)
     results, reference = [], None
     for level in levels:
         result, timings = run_level(client, model, prompts, level, max_tokens, temperature, disconnect_rate, seed=level)
