@@ -9,7 +9,9 @@ from helpers import GREEDY_PROMPTS as PROMPTS
 from helpers import adapting_on_acceptance, hf_greedy, nearby_draft, tiny_gpt2, tiny_llama
 from specdecode import SpeculativeEngine
 from specdecode.core.adaptive import (
+    EMA_WEIGHT,
     PROBE_EVERY,
+    SPIKE_LIMIT,
     AdaptiveK,
     AdaptiveTree,
     StepCosts,
@@ -320,3 +322,17 @@ def test_a_tree_policy_that_drafted_nothing_in_a_batch_counts_a_rejected_tree():
     policy = AdaptiveTree(tree_costs())
     policy.record_no_draft(8)
     assert policy.accepted == {8: 0.0} and policy.nodes_proposed(8) == 8.0
+
+
+def test_a_stalled_step_moves_its_size_s_cost_by_a_bounded_amount():
+    """A step ten times its usual time (the host stalled) moves the estimate as a step of
+    SPIKE_LIMIT times would; steady slower steps still bring it to the new level; a size first
+    measured during a stall is taken at most SPIKE_LIMIT times its neighbours' cost."""
+    costs = linear_costs()  # 1: 30 ms, 2: 35 ms, 5: 50 ms
+    costs.record(5, 0.500)
+    assert costs.estimate(5) == pytest.approx(0.050 + EMA_WEIGHT * (SPIKE_LIMIT * 0.050 - 0.050))
+    for _ in range(40):
+        costs.record(1, 0.045)  # the machine really got slower
+    assert costs.estimate(1) == pytest.approx(0.045, rel=1e-3)
+    costs.record(8, 1.0)  # first measured in a stall: nearest measured size 5
+    assert costs.estimate(8) == pytest.approx(SPIKE_LIMIT * 0.060)

@@ -41,6 +41,7 @@ from collections.abc import Callable
 # request's per-position stats, the server's per-position metric series, and this policy's work.
 MAX_SPECULATIVE_TOKENS = 64
 EMA_WEIGHT = 0.2  # weight of the newest measurement
+SPIKE_LIMIT = 2.0  # a step's time counts as at most this many times its size's estimate
 PRIOR_ACCEPTANCE = 0.5  # a_1 before anything was drafted: optimistic enough to try it
 PROBE_EVERY = (4, 64)  # target-only steps between probes: first, then doubling up to the last
 # the node budgets a tree policy chooses from (and k_max itself, the largest): a ladder, so
@@ -91,6 +92,13 @@ class StepCosts:
         self._sorted: tuple[dict[int, float] | None, list[int]] = (None, [])  # a copy of seconds' sizes, in order
 
     def record(self, n: int, seconds: float) -> None:
+        """One step's time, at most SPIKE_LIMIT times what this size was thought to cost: a
+        stall of the host (another process, a page fault, the collector) takes a step ten
+        times its usual time, and averaged in whole it priced a rarely verified size out of
+        use for many steps; a real slowdown still comes through, SPIKE_LIMIT a step."""
+        expected = self.estimate(n)
+        if expected is not None:
+            seconds = min(seconds, SPIKE_LIMIT * expected)
         self.seconds[n] = ema(self.seconds.get(n), seconds)
 
     def estimate(self, n: int) -> float | None:
