@@ -335,8 +335,9 @@ typedef struct {
     float *xv;     /* [g][n][max_extra][dp] each query's extra values */
     float *p;      /* [threads][PV_ROWS][row_len] weights */
     long contig_end;
-    int streamed; /* one query whose rows fit one row block: keys and values converted as they are
-                   * used (each once), kt and vrows left out; the same arithmetic, so the same bits */
+    int streamed; /* few query rows (a decoding query, or two): keys and values converted as they
+                   * are used, once a row block or query, kt and vrows left out; the same
+                   * arithmetic, so the same bits. More rows convert more often than a copy costs */
 } Call;
 
 static inline int extras_of(const Call *c, int query) { /* count of extra[query, :] before the first -1 */
@@ -398,7 +399,7 @@ static void contiguous_scores(const Call *c, int g, int r0, long b_from, long b_
         float *out[QK_ROWS];
         for (int r = 0; r < QK_ROWS; r++) out[r] = scores_of(c, g, r0 + r < c->rows ? r0 + r : c->rows - 1) + b * LANES;
         const float *kt = c->kt + ((long)g * c->blocks + b) * c->dp * LANES;
-        if (c->streamed) { /* this item is the only one to read these blocks */
+        if (c->streamed) { /* read by this item, and by the other row block's if there is one */
             for (long bb = b; bb < b + 2 && bb < b_to; bb++) transpose_block(c, g, bb, streamed + (bb - b) * c->dp * LANES);
             kt = streamed;
         }
@@ -502,6 +503,7 @@ static void weigh(const Call *c, int g, int query, int h0, int dchunk, float *p_
 }
 
 #define KEY_CHUNK 4 /* key blocks (of 16) per work item of phase 2a */
+#define STREAMED_ROWS (2 * QK_ROWS) /* calls of at most this many query rows read the cache as they go (Call.streamed) */
 
 static void run(Call *c, int threads) {
     const long prepare_items = (long)c->kv_heads * c->blocks;
@@ -596,7 +598,7 @@ int sd_tree_attention(const Args *a, const void *q, const void *keys, const void
     c.hblocks = (c.group + PV_ROWS - 1) / PV_ROWS;
     /* phase 3 splits d in two where it has too few items to keep the threads busy */
     c.dchunks = threads > 1 && (long)kv_heads * n * c.hblocks < 4L * threads && c.nb % 2 == 0 ? 2 : 1;
-    c.streamed = n == 1 && c.group <= QK_ROWS;
+    c.streamed = c.rows <= STREAMED_ROWS;
     size_t kt = c.streamed ? 0 : (size_t)kv_heads * c.blocks * c.dp * LANES;
     size_t vr = c.streamed ? 0 : (size_t)kv_heads * c.cmax * c.dp;
     size_t sc = (size_t)kv_heads * c.rows * c.row_len, xv = (size_t)kv_heads * n * max_extra * c.dp;
