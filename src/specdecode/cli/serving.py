@@ -274,6 +274,8 @@ def loadtest(
         texts = [p.text for p in load_prompts(prompts)]
         texts = [texts[i % len(texts)] for i in range(requests)]
         with started_server(url, target, max_batch_size, inject_faults, stderr, dtype, api_key) as (base_url, model):
+            if warm_up:
+                stderr.print(f"warming up: the {len(texts)} requests once, untimed, {max(levels)} at a time")
             results = run_loadtest(
                 base_url,
                 model,
