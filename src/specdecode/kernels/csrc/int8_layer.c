@@ -252,7 +252,7 @@ static int one_thread_chunk(const Forward *f, int s, int64_t c0) {
     const int64_t n = f->counts[s] - c0 < ATTENTION_CHUNK ? f->counts[s] - c0 : ATTENTION_CHUNK;
     int64_t keys = 0;
     for (int64_t i = 0; i < n; i++) keys = f->contiguous[s][c0 + i] > keys ? f->contiguous[s][c0 + i] : keys;
-    return (long)f->heads * n * (keys + f->max_extra[s]) * f->d < PARALLEL_MIN_WORK;
+    return one_thread_call(f->heads, n, keys + f->max_extra[s], f->d);
 }
 
 /* Every sequence's attention. A call too small to share among threads (a decoding sequence's

@@ -506,7 +506,7 @@ static void weigh(const Call *c, int g, int query, int h0, int dchunk, float *p_
 #define STREAMED_ROWS (2 * QK_ROWS) /* calls of at most this many query rows read the cache as they go (Call.streamed) */
 
 static void run(Call *c, int threads) {
-    const long prepare_items = (long)c->kv_heads * c->blocks;
+    const long prepare_items = c->streamed ? 0 : (long)c->kv_heads * c->blocks;
     const long row_blocks = (c->rows + QK_ROWS - 1) / QK_ROWS;
     const long score_items = (long)c->kv_heads * row_blocks * c->key_chunks;
     const long extra_items = c->max_extra > 0 ? (long)c->kv_heads * c->n : 0;
@@ -520,7 +520,7 @@ static void run(Call *c, int threads) {
 #endif
         float *p_scratch = c->p + (long)thread * PV_ROWS * c->row_len;
 #pragma omp for schedule(static)
-        for (long i = 0; i < (c->streamed ? 0 : prepare_items); i++) prepare_block(c, (int)(i / c->blocks), i % c->blocks);
+        for (long i = 0; i < prepare_items; i++) prepare_block(c, (int)(i / c->blocks), i % c->blocks);
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < score_items + extra_items; i++) {
             if (i < score_items) {
@@ -545,6 +545,9 @@ static void run(Call *c, int threads) {
 /* multiply-adds of a call below which it runs on one thread: a parallel region's start and
  * barriers cost more than they save on small calls (the result is the same either way) */
 #define PARALLEL_MIN_WORK (1L << 17)
+
+/* whether a call of n queries, the farthest seeing `keys` keys (extras included), runs on one thread */
+static inline int one_thread_call(int heads, long n, long keys, int d) { return (long)heads * n * keys * d < PARALLEL_MIN_WORK; }
 
 /* What a layer's call needs besides its four tensors: fixed for one forward of one sequence.
  *   q:      [heads, n, d] with strides q_head_stride, q_row_stride (elements; d contiguous)
@@ -589,7 +592,7 @@ int sd_tree_attention(const Args *a, const void *q, const void *keys, const void
     c.out_head_stride = a->out_head_stride, c.out_row_stride = a->out_row_stride, c.esize = elem_size(dtype);
     for (int i = 0; i < n; i++) c.cmax = contiguous[i] > c.cmax ? contiguous[i] : c.cmax;
     int threads = a->threads < 1 ? 1 : a->threads;
-    if ((long)heads * n * (c.cmax + max_extra) * d < PARALLEL_MIN_WORK) threads = 1;
+    if (one_thread_call(heads, n, c.cmax + max_extra, d)) threads = 1;
     c.blocks = (c.cmax + LANES - 1) / LANES;
     c.extra_blocks = (max_extra + LANES - 1) / LANES;
     c.contig_end = c.blocks * LANES;
