@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     # caches off: every round answers the same instructions again
-    off = CacheOptions(response_cache=False, draft_store=False)
+    off = CacheOptions(response_cache=False, draft_store=False, prefix_cache=False)
     engines = {
         d: SpeculativeEngine.from_pretrained(args.target, drafter="none", dtype=d, cache=off)
         for d in args.dtype.split(",")

@@ -49,7 +49,7 @@ from specdecode.drafters.factory import DrafterOptions, make_drafter
 from specdecode.drafters.head import HeadDrafter, drafting_kind, for_drafting, load_head
 from specdecode.loading import DEFAULT_TARGET
 
-NO_CACHE = CacheOptions(response_cache=False, draft_store=False)
+NO_CACHE = CacheOptions(response_cache=False, draft_store=False, prefix_cache=False)
 DRAFT_COST_PROMPTS = OPEN_CHAT_PROMPTS[:4]
 SAMPLING_PROMPTS = OPEN_CHAT_PROMPTS
 TEMPERATURES = (0.0, 0.7, 1.0)

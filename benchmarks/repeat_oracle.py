@@ -20,9 +20,12 @@ def main() -> None:
     args = parser.parse_args()
     new_tokens = args.max_new_tokens
     engine = SpeculativeEngine.from_pretrained(
-        drafter="none", device="cpu", dtype="bfloat16", cache=CacheOptions(draft_store=False, response_cache=False)
+        drafter="none",
+        device="cpu",
+        dtype="bfloat16",
+        cache=CacheOptions(draft_store=False, response_cache=False, prefix_cache=False),
     )
-    store = engine.open_caches(CacheOptions(response_cache=False))
+    store = engine.open_caches(CacheOptions(response_cache=False, prefix_cache=False))
     learner, plain = engine.with_drafter(SuffixDrafter(store), 8, adaptive=True), engine.with_drafter(None, 0)
     seen, _ = prompt_sets(args.prompts_per_category)
     answers = {}

@@ -15,7 +15,7 @@ def main() -> None:
     parser = script_parser(__doc__, prompts_per_category=4, max_new_tokens=48, seed=0)
     args = parser.parse_args()
     engine = SpeculativeEngine.from_pretrained(
-        drafter="none", device="cpu", dtype="bfloat16", cache=CacheOptions(draft_store=False)
+        drafter="none", device="cpu", dtype="bfloat16", cache=CacheOptions(draft_store=False, prefix_cache=False)
     )
     table = run_repeat_workload(engine, args.prompts_per_category, args.max_new_tokens, args.seed)
     write_table(table, args.out)

@@ -39,7 +39,7 @@ import torch
 from specdecode import CacheOptions, SpeculativeEngine
 from specdecode.bench.environment import cpu_name
 
-NO_CACHE = CacheOptions(response_cache=False, draft_store=False)
+NO_CACHE = CacheOptions(response_cache=False, draft_store=False, prefix_cache=False)
 
 OPEN = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",

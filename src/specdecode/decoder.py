@@ -10,7 +10,9 @@ active (runners/slots.py); a *step* is one target forward. `Decoder.step` runs t
 1. prefill: a sequence whose prompt is not cached (a new one, or one whose cache was lost)
    runs its prompt alone from an empty cache and drafts nothing, exactly as target-only
    decoding does, so both start from the same cache (the fast paths' half precision relies
-   on it). A rebuilt sequence's prefill decides nothing: its next token is known;
+   on it); or, where its runner gives a prompt's suffix bitwise its whole prefill's rows
+   (`reuses_prefixes`), after the prefix of it that its slot kept from an earlier sequence
+   (runners/slots.py). A rebuilt sequence's prefill decides nothing: its next token is known;
 2. draft: each other sequence's drafters propose up to its k tokens (ragged: some propose
    none), a chain or a tree of k nodes, its drafters tried best first (`_ranked`); k is
    chosen here, from what was measured
@@ -89,6 +91,7 @@ class SequenceState:
     stats: GenerationStats | None = None
     slot: int | None = None
     cached: int = 0  # leading tokens of `tokens` held in the slot's cache
+    reused: int = 0  # leading prompt tokens its slot held when it started (runners/slots.py, "prefix reuse")
     finish: Stop | None = None  # set by the step that ends the sequence
     tag: object = None  # the caller's own record of this sequence (the server's request handle)
     cache_key: str | None = None  # its key in the engine's response cache, when it may be cached
@@ -137,11 +140,15 @@ NO_ROLLBACK_NOTE = (
 class Decoder:
     """One per engine, so that measured costs and acceptance carry across calls."""
 
-    def __init__(self, runner: ModelRunner, adaptive: bool = True, max_length: int | None = None):
+    def __init__(
+        self, runner: ModelRunner, adaptive: bool = True, max_length: int | None = None, reuse_prefixes: bool = True
+    ):
         """max_length: the most tokens (prompt + generated) a sequence holds; a sequence that
-        reaches it ends with finish reason "length" (default: the model's context)."""
+        reaches it ends with finish reason "length" (default: the model's context).
+        reuse_prefixes: a new sequence starts from the longest prefix of its prompt a free
+        slot's cache holds, where the runner allows it (runners/slots.py)."""
         self.max_length = runner.max_length if max_length is None else max_length
-        self.slots = SlotPool(runner, self.max_length)
+        self.slots = SlotPool(runner, self.max_length, reuse_prefixes)
         self.adaptive = adaptive
         self.capacity = 1  # most sequences active at once
         self.costs = StepCosts()  # seconds of a verification forward, by the tokens in it (all sequences)
@@ -158,17 +165,25 @@ class Decoder:
         return len(self.active) < self.capacity
 
     def add(self, seq: SequenceState) -> None:
-        """Start (or resume, after a restart) seq at the next step."""
-        seq.slot, seq.cached = self.slots.acquire(), 0
+        """Start (or resume, after a restart) seq at the next step: from the prefix of its prompt
+        its slot holds, if any, whose hidden states its drafters get as the prefill's."""
         note = None
         if seq.k_max and seq.drafters and not self.slots.runner.rolls_back:
             seq.k_max, seq.drafters, note = 0, (), NO_ROLLBACK_NOTE  # drafts would stay in its state
+        layers = _hidden_layers_wanted([seq])
+        # two tokens at least run: the first step is then a prefill, as without reuse (it drafts
+        # nothing, so a seeded sequence draws what it would have drawn)
+        seq.slot, seq.cached, hidden = self.slots.acquire_reusing(seq.prompt_ids[:-1], layers)
+        seq.reused = seq.cached
         if seq.stats is None:
             k = seq.k_max if seq.drafters else 0
             policy = "adaptive" if self.adaptive and k and not seq.fixed_k else "fixed"
             seq.stats = GenerationStats(seq.drafter_name if k else "none", k, policy, note=note)
+        seq.stats.prompt_tokens_reused = seq.reused
         for drafter in seq.drafters:
             drafter.begin(seq.prompt_ids)
+            if hidden is not None and drafter.hidden_layers:
+                drafter.learn_hidden(0, hidden[:, [layers.index(i) for i in drafter.hidden_layers]])
         self.active.append(seq)
 
     def remove(self, seq: SequenceState) -> None:
@@ -178,14 +193,15 @@ class Decoder:
                 drafter.finish(seq.tokens)
         finally:
             self.active.remove(seq)
-            self.slots.release(seq.slot)
+            self.slots.release(seq.slot, seq.tokens[: seq.cached])  # kept for a prompt that starts with them
             seq.slot = None
 
     def reset(self) -> None:
         """Forget every cache (after a crash): each active sequence is rebuilt from its tokens,
         as they were first computed (module docstring, "Rebuild")."""
+        self.slots.forget_prefixes()
         for seq in self.active:
-            seq.cached = 0
+            seq.cached = seq.reused = 0
             self.slots.crop(seq.slot, 0)
             _lived_through_a_failure(seq)
 
@@ -232,9 +248,9 @@ class Decoder:
             self.slots.crop(seq.slot, seq.cached)  # rolls back rejected drafts, and a failed attempt
             # the runner's length is the truth: after a failed forward it may hold less
             seq.cached = min(seq.cached, self.slots.cache_length(seq.slot))
-            if seq.cached < len(seq.prompt_ids):  # a prompt is prefilled whole, from empty, as at first
-                seq.cached = 0
-                self.slots.crop(seq.slot, 0)
+            if seq.cached < len(seq.prompt_ids):  # a prompt is prefilled whole, as at first: from empty,
+                seq.cached = min(seq.cached, seq.reused)  # or after the prefix it reused
+                self.slots.crop(seq.slot, seq.cached)
 
     def _draft(self, sequences: list[SequenceState]) -> tuple[list[Draft], list[int]]:
         """Each sequence's draft, and the k it was asked for (0: nothing asked).
@@ -403,14 +419,15 @@ class Decoder:
         seq.cached on (written again at the same positions if the step is run again)."""
         if decision is None:
             return  # a rebuilt prompt: its drafters learnt it when it was first run
+        if hidden is not None:  # the accepted tokens' rows
+            uncached = hidden.shape[0] - len(draft)
+            hidden = hidden[list(range(uncached)) + [uncached + i for i in decision.verdict.path]]
+            self.slots.record_hidden(seq.slot, seq.cached, hidden, layers)
         for drafter in seq.drafters:
             drafter.learn(seq.tokens, draft, logits)
             wanted = drafter.hidden_layers
             if wanted and hidden is not None:
-                uncached = hidden.shape[0] - len(draft)
-                rows = list(range(uncached)) + [uncached + i for i in decision.verdict.path]
-                columns = [layers.index(layer) for layer in wanted]
-                drafter.learn_hidden(seq.cached, hidden[rows][:, columns])
+                drafter.learn_hidden(seq.cached, hidden[:, [layers.index(layer) for layer in wanted]])
 
     def _commit(self, seq: SequenceState, draft: Draft, decision: _Decision | None, asked: int) -> list[int]:
         if decision is None:  # a rebuilt prompt

@@ -244,7 +244,9 @@ class SpeculativeEngine:
     # --- the caches (cache/engine_caches.py) ---
 
     def open_caches(self, options: CacheOptions) -> DraftStore | None:
-        """Open the backend, turn the response cache on where it is exact; the draft store."""
+        """Open the backend, turn the response cache on where it is exact, and prefix reuse
+        on or off (on where exact unless asked otherwise); the draft store."""
+        self.decoder.slots.reuse_prefixes(options.prefix_cache)
         return self.caches.open(options)
 
     def use_response_cache(self, cache: ResponseCache) -> None:
@@ -300,7 +302,7 @@ class SpeculativeEngine:
         from this engine's response cache only if asked: a comparison would time the cache."""
         view = copy.copy(self)
         view.drafter, view.num_speculative_tokens = drafter, check_k(num_speculative_tokens)
-        view.decoder = Decoder(self.target_runner, adaptive, self.max_model_len)
+        view.decoder = Decoder(self.target_runner, adaptive, self.max_model_len, self.decoder.slots.reuses_prefixes)
         view.caches = copy.copy(self.caches)  # the same backend and cache, switched off alone
         if not response_cache:
             view.response_cache = None

@@ -141,7 +141,9 @@ def llamacpp_context(prompt_ids: dict[str, list[int]], config: BenchConfig) -> i
 
 def load_models(config: BenchConfig) -> tuple[SpeculativeEngine, dict[str, PreTrainedModel]]:
     """The target, in an engine without a drafter (systems add their own), and the draft models."""
-    no_cache = CacheOptions(response_cache=False, draft_store=False)  # the benchmark times decoding, not caches
+    no_cache = CacheOptions(
+        response_cache=False, draft_store=False, prefix_cache=False
+    )  # the benchmark times decoding, not caches
     engine = SpeculativeEngine.from_pretrained(
         config.target,
         drafter="none",

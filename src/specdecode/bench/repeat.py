@@ -68,7 +68,9 @@ def run_repeat_workload(
 ) -> str:
     """The Markdown table of every workload and system. engine: loaded with its caches off
     (CacheOptions(draft_store=False)); the store and response cache are opened here."""
-    store = engine.open_caches(CacheOptions(response_cache=False))  # the draft store on the engine's backend
+    store = engine.open_caches(
+        CacheOptions(response_cache=False, prefix_cache=False)
+    )  # the draft store on the engine's backend
     learner = engine.with_drafter(SuffixDrafter(store), 8, adaptive=True, response_cache=True)
 
     def generate(view: SpeculativeEngine, messages: Messages) -> GenerationResult:

@@ -23,7 +23,9 @@ from pathlib import Path
 from specdecode.bench.environment import machine_line
 from specdecode.engine import CacheOptions
 
-NO_CACHE = CacheOptions(response_cache=False, draft_store=False)  # a timing measures decoding, not caches
+NO_CACHE = CacheOptions(
+    response_cache=False, draft_store=False, prefix_cache=False
+)  # a timing measures decoding, not caches
 
 FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
     "max_new_tokens": (("--max-new-tokens",), dict(type=int, metavar="N", help="most new tokens of each generation")),

@@ -31,6 +31,9 @@ class CacheOptions:
     response_cache: bool = True  # answer repeated deterministic requests without a forward (where exact)
     draft_store: bool = True  # earlier requests' text drafts for `suffix` and `auto`
     max_mb: int = 256  # the in-process backend's bound
+    # a finished sequence's KV cache kept in its slot for a later prompt that starts with the same
+    # tokens (where exact: runners/slots.py, "prefix reuse"); in this process only
+    prefix_cache: bool = True
     require_backend: bool = (
         False  # a Redis that does not answer at start is an error (generate), not a fallback (serve)
     )
@@ -43,7 +46,7 @@ class CacheOptions:
         keyed = "set" if self.secret else None
         return (
             f"CacheOptions(url={url!r}, response_cache={self.response_cache}, draft_store={self.draft_store}, "
-            f"max_mb={self.max_mb}, require_backend={self.require_backend}, secret={keyed})"
+            f"prefix_cache={self.prefix_cache}, max_mb={self.max_mb}, require_backend={self.require_backend}, secret={keyed})"
         )
 
     @property

@@ -157,7 +157,7 @@ def _bench_repeat(target, device, dtype, prompts_per_category, max_new_tokens, s
                 drafter="none",
                 device=device or "auto",
                 dtype=dtype or "bfloat16",
-                cache=CacheOptions(draft_store=False),
+                cache=CacheOptions(draft_store=False, prefix_cache=False),
             )
         with bench_progress(stderr) as progress:
             task = progress.add_task("requests", total=request_count(prompts))
@@ -194,7 +194,7 @@ def _bench_json(target, device, dtype, quantization, max_new_tokens, runs, seed,
                 device=device or "auto",
                 dtype=dtype or "auto",
                 quantization=quantization,
-                cache=CacheOptions(response_cache=False, draft_store=False),
+                cache=CacheOptions(response_cache=False, draft_store=False, prefix_cache=False),
             )
         runs = runs or 1
         with bench_progress(stderr) as progress:

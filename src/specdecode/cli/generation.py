@@ -154,6 +154,7 @@ def generate(
                     cache_max_mb,
                     cache_secret_file,
                     require_backend=True,
+                    prefix_cache=not compare,
                 ),
                 quantization=quantization,
                 compile=compile,

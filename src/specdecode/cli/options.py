@@ -69,6 +69,10 @@ ResponseCacheOption = Annotated[
     bool, typer.Option(help="Answer repeated deterministic requests from the cache (where exact).")
 ]
 DraftStoreOption = Annotated[bool, typer.Option(help="Earlier requests' text drafts (drafters suffix and auto).")]
+PrefixCacheOption = Annotated[
+    bool,
+    typer.Option(help="Keep a finished request's KV cache for a later prompt that starts the same way (where exact)."),
+]
 ShippedHeadOption = Annotated[
     bool,
     typer.Option(help="drafter auto without --draft: draft with the head shipped for the target, if there is one."),
@@ -111,11 +115,20 @@ def cache_options(
     max_mb: int,
     secret_file: str | None,
     require_backend: bool = False,
+    prefix_cache: bool = True,
 ) -> CacheOptions:
-    """The caches of --cache-url, --response-cache, --draft-store, --cache-max-mb and
-    --cache-secret-file (generate and serve)."""
+    """The caches of --cache-url, --response-cache, --draft-store, --cache-max-mb,
+    --cache-secret-file and --prefix-cache (generate and serve)."""
     secret = _cache_secret(secret_file)
-    return CacheOptions(url, response_cache, draft_store, max_mb, require_backend=require_backend, secret=secret)
+    return CacheOptions(
+        url,
+        response_cache,
+        draft_store,
+        max_mb,
+        prefix_cache=prefix_cache,
+        require_backend=require_backend,
+        secret=secret,
+    )
 
 
 def _cache_secret(path: str | None) -> str | None:

@@ -24,6 +24,7 @@ from specdecode.cli.options import (
     DtypeOption,
     KOption,
     MaxModelLenOption,
+    PrefixCacheOption,
     QuantizationOption,
     RayAddressOption,
     RayOption,
@@ -96,6 +97,7 @@ def serve(
     cache_url: CacheUrlOption = SERVER.cache.url,
     response_cache: ResponseCacheOption = SERVER.cache.response_cache,
     draft_store: DraftStoreOption = SERVER.cache.draft_store,
+    prefix_cache: PrefixCacheOption = SERVER.cache.prefix_cache,
     cache_max_mb: CacheMaxMbOption = SERVER.cache.max_mb,
     cache_secret_file: CacheSecretFileOption = None,
     otel_console: Annotated[
@@ -125,7 +127,9 @@ def serve(
 
     with user_errors():
         # a Redis that does not answer yet is not fatal here: the server starts on its own cache
-        cache = cache_options(cache_url, response_cache, draft_store, cache_max_mb, cache_secret_file)
+        cache = cache_options(
+            cache_url, response_cache, draft_store, cache_max_mb, cache_secret_file, prefix_cache=prefix_cache
+        )
         config = server_config(
             target,
             draft,

@@ -36,6 +36,9 @@ class GenerationStats:
     # tokens the target ran again because its cache had lost them (after an engine crash, or a
     # failed forward its runner could not undo); they emit nothing new (decoder.py, "rebuild")
     replayed_tokens: int = 0
+    # leading prompt tokens found in the cache a slot kept from an earlier sequence, not run
+    # again (runners/slots.py, "prefix reuse"); the OpenAI usage's cached_tokens
+    prompt_tokens_reused: int = 0
     # tokens a grammar forced (structured outputs), drafted ahead of any drafter's at no cost and
     # verified like any draft; counted here, not in drafted_tokens and accepted_tokens
     forced_tokens: int = 0

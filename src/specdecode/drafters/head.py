@@ -58,6 +58,7 @@ from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.tree import TreeBuilder
 from specdecode.errors import InvalidArgumentError
+from specdecode.runners.cached import common_prefix_length
 from specdecode.runners.projection import W8A16Projection, own_kernel, projection, w8a16_projection
 
 HEAD_CONFIG, HEAD_WEIGHTS, HEAD_VOCABULARY = "config.json", "head.safetensors", "vocabulary.json"
@@ -589,7 +590,7 @@ class HeadDrafter(Drafter):
         """Rows 0 .. n - 2 from the target's features (row j: feature j and token j + 1), those
         not in the cache run now; the last always runs, for its output."""
         n = len(token_ids)
-        keep = min(self._true, _common_prefix_length(self._rows_tokens, token_ids) - 1, n - 2)
+        keep = min(self._true, common_prefix_length(self._rows_tokens, token_ids) - 1, n - 2)
         keep = max(keep, 0)
         self._cache.length = keep
         rows = torch.arange(keep, n - 1)
@@ -691,10 +692,3 @@ class _Node:
 
     def __lt__(self, other: _Node) -> bool:
         return (self.chance, -self.order) < (other.chance, -other.order)
-
-
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])

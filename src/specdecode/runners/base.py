@@ -22,6 +22,10 @@ class ModelRunner(Protocol):
     # declared: a sequence's logits have the same bits whatever shares its forward (other
     # sequences, other verified tokens); what an exact response cache needs
     batch_invariant: bool
+    # declared: a prompt run after a cached prefix of it gives bitwise the cache and logits of
+    # running it whole from an empty cache (its prefills attend and multiply row by row), so a
+    # slot may keep a prefix for a later prompt that starts with it (runners/slots.py)
+    reuses_prefixes: bool
     # declared: compile() makes its forwards run compiled by torch.compile, with the same results
     compilable: bool
     # declared: crop(n) puts the cache back exactly as it was after n tokens, so rejected drafts

@@ -23,9 +23,7 @@ class CachedSequence:
     def logits(self, token_ids: list[int], num_logits: int = 1) -> torch.Tensor:
         """Logits [num_logits, vocab] after each of the last num_logits positions of token_ids."""
         # never more than the runner holds: after a forward that failed, _tokens ran ahead of it
-        keep = min(
-            _common_prefix_length(self._tokens, token_ids), len(token_ids) - num_logits, self.runner.cache_length
-        )
+        keep = min(common_prefix_length(self._tokens, token_ids), len(token_ids) - num_logits, self.runner.cache_length)
         self.runner.crop(keep)  # roll back rejected tokens; never recompute the accepted ones
         keep = self.runner.cache_length  # less where the crop could not be done (hf.py): run the rest
         logits = self.runner.forward(torch.tensor(token_ids[keep:], dtype=torch.long), num_logits)
@@ -33,7 +31,8 @@ class CachedSequence:
         return logits
 
 
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the usual case, compared in C
         return n

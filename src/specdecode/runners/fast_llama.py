@@ -210,6 +210,15 @@ class FastLlamaRunner(KeepsHiddenStates, StaticCacheRunner):
         return super().batch_invariant and self._compiled_layers is None
 
     @property
+    def reuses_prefixes(self) -> bool:
+        """The C layers run a prefill as they run a verification (the tree kernel's chain plan:
+        each query a function of the keys it sees; every product's row a function of that row),
+        so a prompt's suffix after its cached prefix gives bitwise its whole prefill's rows
+        (tests/runners/test_prefix_reuse.py). SDPA's batched prefill and torch's products may
+        round a row by the rows run with it."""
+        return self._int8_layers is not None and projections.row_quantization is None
+
+    @property
     def verifies_trees(self) -> bool:
         return self._kernel is not None and self.per_query_attention
 

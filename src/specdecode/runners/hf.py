@@ -35,6 +35,7 @@ class HFModelRunner:
 
     stacks_sequences = False
     batch_invariant = False  # transformers' kernels round a row by what shares its product
+    reuses_prefixes = False  # and a prompt's rows by how many run with them
     compilable = False
     verifies_trees = False  # its attention takes no tree mask whose rows keep their one-token bits
     # layer i: the hidden state entering decoder layer i; L (the number of layers): the last

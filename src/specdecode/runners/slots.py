@@ -5,46 +5,144 @@ Runners that declare `stacks_sequences` (FastLlamaRunner) run every slot's new t
 forward; the others run the slots one after the other, which is correct but no faster.
 Slots are made when first needed and kept for the next sequence; a slot given back gives
 back the memory a long sequence made its cache take (`SlotPool.release`).
+
+Prefix reuse: where the runner declares `reuses_prefixes` (a prompt run after a cached prefix
+of it gives bitwise what running it whole gives), a slot given back keeps the positions its
+sequence had cached, and `acquire_reusing` hands a new sequence the free slot that holds the
+longest prefix of its prompt, cropped to it: a follow-up turn of a chat, or prompts sharing a
+system prompt, prefill only what is new. The target's hidden states of those positions are
+kept beside them for a draft head (`record_hidden`), which drafts from every position.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.runners.base import ModelRunner
+from specdecode.runners.cached import common_prefix_length
 from specdecode.runners.hf import HFModelRunner
 from specdecode.runners.static_cache import StaticCacheRunner
 
 SLOT_CAPACITY = 256  # positions a slot's cache starts with (and returns to); it doubles when a sequence needs more
 
 
+@dataclass
+class _Held:
+    """What a slot's cache holds, for prefix reuse: the tokens at its positions, and the
+    target's hidden states of the first `known` of them (of `layers`, [positions, len(layers),
+    hidden] in the runner's dtype)."""
+
+    tokens: list[int] = field(default_factory=list)
+    layers: tuple[int, ...] = ()
+    hidden: torch.Tensor | None = None
+    known: int = 0
+
+
 class SlotPool:
-    def __init__(self, runner: ModelRunner, max_length: int | None = None):
-        """max_length: the most positions a slot's cache holds (default: the model's context)."""
+    def __init__(self, runner: ModelRunner, max_length: int | None = None, reuse_prefixes: bool = True):
+        """max_length: the most positions a slot's cache holds (default: the model's context);
+        reuse_prefixes: where the runner allows it (module docstring)."""
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.max_length = runner.max_length if max_length is None else max_length
         self.slots: list[ModelRunner] = []
-        self._free: list[int] = []
+        self._free: list[int] = []  # the longest free first
+        self._held: dict[int, _Held] = {}  # slot -> what it holds (reusing prefixes only)
+        self.reuse_prefixes(reuse_prefixes)
+
+    def reuse_prefixes(self, on: bool) -> None:
+        """Switch prefix reuse on (where the runner allows it) or off (free slots forget what
+        they hold)."""
+        self.reuses_prefixes = on and getattr(self.runner, "reuses_prefixes", False)
+        if not self.reuses_prefixes:
+            self.forget_prefixes()
+
+    def forget_prefixes(self) -> None:
+        """Free slots keep nothing (after an engine crash, what they hold is not trusted)."""
+        for slot in self._free:
+            self.slots[slot].crop(0)
+        self._held.clear()
 
     def acquire(self) -> int:
         """A slot with an empty cache."""
+        return self.acquire_reusing([])[0]
+
+    def acquire_reusing(
+        self, prompt_ids: list[int], layers: tuple[int, ...] = ()
+    ) -> tuple[int, int, torch.Tensor | None]:
+        """A slot for a sequence whose prompt starts with prompt_ids, holding the longest prefix
+        of them that a free slot has (at most all but the last, so that a prefill runs; where
+        hidden states of `layers` are wanted, only positions whose states were kept): the slot,
+        the prefix's length, and those states [length, len(layers), hidden] (None where none
+        are wanted or none reused). 0 positions where the pool does not reuse prefixes."""
         if not self._free:
             self.slots.append(_with_own_cache(self.runner, self.max_length))
-            self._free.append(len(self.slots) - 1)
-        slot = self._free.pop()
-        self.slots[slot].crop(0)
-        return slot
+            self._free.insert(0, len(self.slots) - 1)
+        if not self.reuses_prefixes:
+            slot, length = self._free.pop(), 0
+        else:
+            reuse = {s: self._reusable(s, prompt_ids, layers) for s in self._free}
+            slot = max(self._free, key=lambda s: reuse[s])  # the first of the longest: none reused, the longest free
+            self._free.remove(slot)
+            length = reuse[slot]
+        self.slots[slot].crop(length)
+        held = self._held.pop(slot, _Held())
+        if self.reuses_prefixes:  # its hidden states stay known up to the prefix, written on from there
+            self._held[slot] = _Held(held.tokens[:length], held.layers, held.hidden, min(held.known, length))
+        if not length or not layers:
+            return slot, length, None
+        columns = [held.layers.index(layer) for layer in layers]
+        return slot, length, held.hidden[:length, columns]
 
-    def release(self, slot: int) -> None:
-        """The slot's sequence has left: its cache is emptied, and shrinks back to SLOT_CAPACITY
-        positions (transformers': a new, empty DynamicCache), so that one long sequence does
-        not keep its memory in an idle slot."""
+    def _reusable(self, slot: int, prompt_ids: list[int], layers: tuple[int, ...]) -> int:
+        held = self._held.get(slot)
+        if held is None:
+            return 0
+        length = min(common_prefix_length(held.tokens, prompt_ids), len(prompt_ids) - 1)
+        if layers:
+            length = min(length, held.known) if set(layers) <= set(held.layers) else 0
+        return max(length, 0)
+
+    def record_hidden(self, slot: int, start: int, hidden: torch.Tensor, layers: tuple[int, ...]) -> None:
+        """The target's hidden states [m, len(layers), hidden] of the slot's positions start ..
+        start + m - 1 (its sequence's accepted tokens), kept for a later sequence that reuses
+        them; a gap, or other layers than those kept after position 0, keeps none after it."""
+        if not self.reuses_prefixes:
+            return
+        held = self._held.setdefault(slot, _Held())
+        if layers != held.layers:
+            if start:
+                held.known = 0
+                return
+            held.layers, held.hidden, held.known = layers, None, 0
+        if start > held.known:
+            return
+        end = start + hidden.shape[0]
+        if held.hidden is None or held.hidden.shape[0] < end:
+            grown = torch.empty(max(end, 2 * held.known), *hidden.shape[1:], dtype=hidden.dtype)
+            if held.hidden is not None:
+                grown[: held.known] = held.hidden[: held.known]
+            held.hidden = grown
+        held.hidden[start:end] = hidden
+        held.known = end
+
+    def release(self, slot: int, tokens: list[int] | None = None) -> None:
+        """The slot's sequence has left. Reusing prefixes, it keeps `tokens`, those its cache
+        holds (a prefix of what the sequence cached; none given: nothing kept), for a later
+        sequence; otherwise its cache is emptied. Either way the cache shrinks back to
+        SLOT_CAPACITY positions, or to those it keeps (transformers': a new, empty
+        DynamicCache), so that one long sequence does not keep more memory in an idle slot
+        than it holds."""
         runner = self.slots[slot]
+        kept = tokens[: runner.cache_length] if self.reuses_prefixes and tokens else []
+        held = self._held.pop(slot, _Held())
+        if kept:
+            self._held[slot] = _Held(kept, held.layers, held.hidden, min(held.known, len(kept)))
         if isinstance(runner, StaticCacheRunner):
-            runner.cache.crop(0)
+            runner.cache.crop(len(kept))
             runner.cache.shrink(SLOT_CAPACITY)
         else:
             runner.reset()  # a crop would keep the long tensors' storage (transformers crops by views)

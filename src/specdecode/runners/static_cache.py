@@ -155,6 +155,7 @@ class StaticCacheRunner:
     compilable = False  # FastLlamaRunner overrides: it has compile()
     rolls_back = True  # keys and values only: rows past the length are overwritten
     verifies_trees = False  # FastLlamaRunner overrides: where its tree attention kernel runs
+    reuses_prefixes = False  # FastLlamaRunner overrides: where its C layers prefill
     hidden_layers: tuple[int, ...] = ()  # FastLlamaRunner records them; the others keep none
     hidden: torch.Tensor | list[torch.Tensor] | None = None
     per_query_attention: bool

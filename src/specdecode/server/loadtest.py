@@ -210,9 +210,10 @@ def started_server(
         yield api_base, _served_model(api_base, api_key)
         return
     # every level sends the same requests: a response cache would answer the later levels from
-    # memory and a draft store would draft them from the earlier answers, so neither runs here
+    # memory, a draft store would draft them from the earlier answers and the slots' kept
+    # prefixes would spare their prefills, so none runs here
     args = ["--target", target, "--max-batch-size", str(max_batch_size), "--dtype", dtype]
-    args += ["--no-response-cache", "--no-draft-store"]
+    args += ["--no-response-cache", "--no-draft-store", "--no-prefix-cache"]
     args += ["--inject-faults", inject_faults] if inject_faults else []
     with serve_process(
         args, on_start=lambda log: console.status(f"Starting `specdecode serve --target {target}` (log: {log})")
@@ -319,6 +320,7 @@ def server_metrics(base_url: str, api_key: str | None = None) -> dict[str, float
         "spec_decode_draft_acceptance_rate",
         "response_cache_lookups",
         "draft_store_tokens",
+        "prefix_cache_hits",
     )
     values = {}
     for family in text_string_to_metric_families(text):
@@ -336,12 +338,15 @@ def cache_warning(metrics: dict[str, float]) -> str | None:
     level (server_metrics' counters after it), or None where they did nothing."""
     hits = metrics.get("response_cache_lookups_total{result=hit}", 0.0)
     stored = metrics.get("draft_store_tokens", 0.0)
-    if not hits and not stored:
+    prefixes = metrics.get("prefix_cache_hits_total", 0.0)
+    done = [f"{hits:.0f} answers came from its response cache"] if hits else []
+    done += ["its draft store held earlier answers"] if stored else []
+    done += [f"{prefixes:.0f} prompt tokens came from its kept prefixes"] if prefixes else []
+    if not done:
         return None
-    done = f"{hits:.0f} answers came from its response cache" if hits else "its draft store held earlier answers"
     return (
-        f"the server's caches were on ({done}): every level sends the same requests, so the later levels "
-        "measure the caches; start it with --no-response-cache --no-draft-store"
+        f"the server's caches were on ({'; '.join(done)}): every level sends the same requests, so the later "
+        "levels measure the caches; start it with --no-response-cache --no-draft-store --no-prefix-cache"
     )
 
 

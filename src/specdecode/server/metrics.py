@@ -37,6 +37,11 @@ class ServerMetrics:
         self.requests_running = Gauge("specdecode:num_requests_running", "Requests being generated now.", registry=r)
         self.requests_waiting = Gauge("specdecode:num_requests_waiting", "Requests queued for the engine.", registry=r)
         self.prompt_tokens = Counter("specdecode:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.prefix_cache_hits = Counter(
+            "specdecode:prefix_cache_hits",
+            "Prompt tokens of finished requests found in the KV cache a slot kept (prefix reuse), not run again.",
+            registry=r,
+        )
         self.generation_tokens = Counter("specdecode:generation_tokens", "Tokens generated.", registry=r)
         self.draft_tokens = Counter(
             "specdecode:spec_decode_num_draft_tokens", "Tokens the drafter proposed.", registry=r

@@ -391,7 +391,13 @@ def _chat_prompt(engine: SpeculativeEngine, body: schemas.ChatCompletionRequest)
 
 def _usage(*results: GenerationResult) -> schemas.Usage:
     prompt, completion = len(results[0].prompt_token_ids), sum(len(r.token_ids) for r in results)
-    return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = min(r.stats.prompt_tokens_reused for r in results)  # each choice prefilled on its own
+    return schemas.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def _stats(results: list[GenerationResult]) -> dict | list[dict]:

@@ -180,10 +180,15 @@ class ChatCompletionRequest(_Request):
         return self.top_logprobs or 0, "top_logprobs"
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # leading prompt tokens found in a slot's kept KV cache, not run again
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):

@@ -504,6 +504,7 @@ class EngineWorker:
             m.observe_time_per_output_token(operation, (now - handle.first_token_at) / (len(result.token_ids) - 1))
         m.observe_finished(operation, stats, len(result.prompt_token_ids), len(result.token_ids))
         m.prompt_tokens.inc(len(result.prompt_token_ids))
+        m.prefix_cache_hits.inc(stats.prompt_tokens_reused)
         m.generation_tokens.inc(len(result.token_ids))
         m.draft_tokens.inc(stats.drafted_tokens)
         m.accepted_tokens.inc(stats.accepted_tokens)
