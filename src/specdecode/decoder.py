@@ -383,7 +383,8 @@ class Decoder:
             verdict = verify_logits(draft.tokens, draft.probs, target, seq.params, seq.generator)
         else:
             verdict = verify_tree(draft.tokens, draft.parents, target, seq.params, seq.generator)
-        emitted = draft.tokens[list(verdict.path)].tolist() + [verdict.next_token]
+        drafted = draft.tokens.tolist()
+        emitted = [drafted[node] for node in verdict.path] + [verdict.next_token]
         logprobs = []
         if seq.top_logprobs is not None:  # from the rows each emitted token was drawn at
             rows = [0] + [1 + node for node in verdict.path]

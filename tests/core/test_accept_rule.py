@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.core.sampling import SamplingParams, logits_to_probs, row_maxima, sample
 from specdecode.core.verification import verify, verify_greedy, verify_logits
 
 
@@ -216,3 +216,20 @@ def test_sample_refuses_rows_with_nothing_to_draw():
     for bad in ([0.0, 0.0, 0.0], [0.5, float("nan"), 0.5], [1.0, float("inf"), 0.0]):
         with pytest.raises(ValueError, match="not all zero"):
             sample(torch.tensor([bad]), None)
+
+
+def test_row_maxima_are_torchs_max_on_ties_nans_infinities_and_views():
+    """The greedy rule's argmax (numpy's, on float32 CPU rows): the first index on ties, NaN
+    the largest, and the row's value there, as torch's max gives them."""
+    nan, inf = float("nan"), float("inf")
+    special = torch.tensor(
+        [[1, nan, 3, nan], [2, 5, 5, 1], [-inf, -inf, -inf, -inf], [1, inf, inf, 0], [0.0, -0.0, 0.0, -1]]
+    )
+    wide = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0))
+    wide[1, 7] = wide[1, 9000] = wide[1].max() + 1  # a tie
+    for logits in (special, wide, wide[:, ::3], wide[1], wide.bfloat16()):
+        values, indices = row_maxima(logits)
+        expected = logits.max(dim=-1)
+        nan_rows = expected.values.isnan()
+        assert torch.equal(indices, expected.indices) and torch.equal(values.isnan(), nan_rows)
+        assert torch.equal(values[~nan_rows], expected.values[~nan_rows])

@@ -26,6 +26,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from specdecode.core.sampling import row_maxima
 from specdecode.errors import InvalidArgumentError
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
@@ -173,7 +174,7 @@ class Matcher:
         the grammar allows there keeps its logits: masking removes tokens only, so the masked
         argmax is the same token (ties included: no earlier index reaches the maximum). Only
         the other rows pay for a mask, which costs far more than checking one token."""
-        argmax = logits.argmax(dim=-1).tolist() if greedy else []  # [1 + len(tokens)]
+        argmax = row_maxima(logits)[1].tolist() if greedy else []  # [1 + len(tokens)]
         masks = {}  # row -> the tokens allowed there, for the rows that need a mask
         for node in range(-1, len(tokens)):
             path = _path(node, tokens, parents) if node >= 0 else []

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.core.sampling import SamplingParams, check_finite, logits_to_probs, sample
+from specdecode.core.sampling import SamplingParams, check_finite, logits_to_probs, row_maxima, sample
 
 
 @dataclass(frozen=True)
@@ -114,12 +114,11 @@ def verify_greedy(
     """Accept while the draft equals the target's argmax; then the argmax (the bonus token if
     all were accepted). Equal to `verify` with one-hot p, whatever q was. Raises
     NonFiniteLogitsError for NaN or +inf logits, as logits_to_probs does."""
-    row_max, argmax = target_logits.max(dim=-1)  # [k + 1], the first index on ties, as logits_to_probs
+    row_max, argmax = row_maxima(target_logits)  # [k + 1], the first index on ties, as logits_to_probs
     check_finite(target_logits, row_max)
-    k = draft_tokens.shape[0]
-    mismatches = (draft_tokens != argmax[:k]).nonzero()
-    accepted = int(mismatches[0]) if mismatches.numel() else k
-    return Verdict(accepted, int(argmax[accepted]), tuple(range(accepted)))
+    drafted, predicted = draft_tokens.tolist(), argmax.tolist()  # a few tokens: lists, not torch's ops
+    accepted = next((i for i, (d, p) in enumerate(zip(drafted, predicted)) if d != p), len(drafted))
+    return Verdict(accepted, predicted[accepted], tuple(range(accepted)))
 
 
 def verify_tree(
@@ -133,14 +132,15 @@ def verify_tree(
     target at the current node (its argmax when greedy), follow the first child whose token is
     y, and emit y where none is. Only the rows on the accepted path are processed and drawn
     from. Raises NonFiniteLogitsError for NaN or +inf logits in any row, as the chain rule does."""
-    check_finite(target_logits)
+    row_max, argmax = row_maxima(target_logits)  # the first index on ties, as logits_to_probs
+    check_finite(target_logits, row_max)
     children = _children(draft_tokens.tolist(), parents.tolist() if isinstance(parents, torch.Tensor) else parents)
     path: list[int] = []
     node = -1  # the root
     while True:
         row = node + 1
         if params.greedy:
-            y = int(target_logits[row].argmax())  # the first index on ties, as logits_to_probs
+            y = int(argmax[row])
         else:
             y = int(sample(logits_to_probs(target_logits[row], params), generator))
         child = children[row].get(y)

@@ -27,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from specdecode.core.sampling import SamplingParams
+from specdecode.core.sampling import SamplingParams, row_maxima
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.drafters.tree import Acceptance, TreeBuilder, chain_share, tree_shape
@@ -95,7 +95,7 @@ def top_candidates(logits: torch.Tensor, width: int, block: int = 128) -> torch.
     width * block candidates, where torch's CPU top-k over whole rows of a large vocabulary
     costs several times more."""
     n, vocab = logits.shape
-    if n <= 2 or vocab <= width * block:
+    if vocab <= width * block:
         return logits.topk(width, dim=-1).indices
     rows = logits.float()
     if vocab % block:
@@ -217,7 +217,7 @@ class RecyclingDrafter(Drafter):
         self.table.write([token_ids[-1], *tokens], logits)
         proposed, self._proposed = self._proposed, None
         if proposed is not None and proposed[2] and proposed[0] == tokens and proposed[1] == draft.parent_list():
-            self._count_lookup(tokens, proposed[1], proposed[2], logits.argmax(-1).tolist())
+            self._count_lookup(tokens, proposed[1], proposed[2], row_maxima(logits)[1].tolist())
 
     def _count_lookup(self, tokens: list[int], parents: list[int], nodes: int, predicted: list[int]) -> None:
         """Of the first `nodes` nodes (the lookup's), each one whose parent the target reached
