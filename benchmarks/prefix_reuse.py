@@ -1,7 +1,9 @@
 """What prefix reuse (runners/slots.py) saves a chat: the time to the first token of a first turn
-(a new question after another one: they share the chat template's system prompt) and of a
-second turn (the conversation so far, then a new question), with the slots' kept prefixes and
-without, on the default engine, in one process, alternated prompt by prompt.
+(a new question after another one: they share the chat template's system prompt), of a
+second turn (the conversation so far, then a new question), and of 4 choices of that second
+turn asked at once from empty slots (one prefill, copied: decoder.Decoder._shared_prefills),
+with the slots' kept prefixes and without, on the default engine, in one process, alternated
+prompt by prompt.
 
 Prompts: OPEN_CHAT_PROMPTS (bench/prompts.py: written for the scripts, never Spec-Bench), each
 followed by the next as its second turn. Time to first token: a generation of one new token.
@@ -22,10 +24,11 @@ from specdecode.bench.scripts import script_parser, write_table
 CACHES = CacheOptions(response_cache=False, draft_store=False)  # prefix reuse decided per system below
 
 
-def first_token_seconds(engine: SpeculativeEngine, prompt: str) -> tuple[float, int, int]:
-    """Seconds to the first token, the prompt's tokens and those reused."""
+def first_token_seconds(engine: SpeculativeEngine, prompt: str, choices: int = 1) -> tuple[float, int, int]:
+    """Seconds to the first token (of `choices` sequences of the prompt decoded together, as a
+    request's n), the prompt's tokens and those reused."""
     start = time.perf_counter()
-    (result,) = engine.generate([prompt], max_new_tokens=1)
+    result, *_ = engine.generate([prompt] * choices, max_new_tokens=1, max_batch_size=choices)
     return time.perf_counter() - start, len(result.prompt_token_ids), result.stats.prompt_tokens_reused
 
 
@@ -41,6 +44,8 @@ def one_chat(engine: SpeculativeEngine, first: str, second: str, max_new_tokens:
         {"role": "user", "content": second},
     ]
     timings["second turn"] = first_token_seconds(engine, engine.chat_prompt(conversation))
+    engine.decoder.slots.forget_prefixes()  # the choices share their prefill, not the turn's cache
+    timings["second turn, 4 choices"] = first_token_seconds(engine, engine.chat_prompt(conversation), choices=4)
     return timings
 
 
@@ -67,7 +72,7 @@ def run(args) -> str:
         "| turn | prompt tokens (mean) | reused (mean) | first token, none kept (median ms) | kept prefixes | ratio |",
         "|---|---|---|---|---|---|",
     ]
-    for case in ("first turn", "second turn"):
+    for case in ("first turn", "second turn", "second turn, 4 choices"):
         off, on = seen[("none kept", case)], seen[("kept prefixes", case)]
         off_ms, on_ms = (1e3 * statistics.median(t[0] for t in runs) for runs in (off, on))
         tokens, reused = statistics.mean(t[1] for t in on), statistics.mean(t[2] for t in on)

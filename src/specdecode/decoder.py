@@ -345,15 +345,18 @@ class Decoder:
         one query at a time, as they first ran (module docstring); only the last are kept.
         And, where layers are asked for (a draft head's), the target's hidden states of those
         layers for every new row of each sequence [n_i, len(layers), hidden] (None where its
-        runner keeps none), from the same forward."""
+        runner keeps none), from the same forward. A prompt another sequence of the step
+        prefills too is run once (`_shared_prefills`): its other sequences copy its rows."""
+        shared = self._shared_prefills(sequences)
+        ran = [i for i in range(len(sequences)) if i not in shared]
         new_tokens, num_logits, parents = [], [], []
-        for seq, draft in zip(sequences, drafts, strict=True):
+        for seq, draft in ((sequences[i], drafts[i]) for i in ran):
             end = len(seq.prompt_ids) if seq.prompt_uncached else len(seq.tokens)
             uncached = seq.tokens[seq.cached : end]
             new_tokens.append(torch.tensor(uncached + draft.tokens.tolist()))
             num_logits.append(1 if seq.prompt_uncached else len(new_tokens[-1]))
             parents.append(None if draft.is_chain else _forward_parents(len(uncached), draft))
-        slots = [s.slot for s in sequences]
+        slots = [sequences[i].slot for i in ran]
         runners = [self.slots.runner] + [self.slots.slots[s] for s in slots]
         for runner in runners:  # set only when it changes: a fast runner's setter clears what it kept
             if runner.hidden_layers != layers:
@@ -363,7 +366,33 @@ class Decoder:
         else:
             logits = self.slots.forward(slots, new_tokens, num_logits)
         hidden = self._hidden_states(slots, new_tokens) if layers else [None] * len(slots)
+        results = dict(zip(ran, zip(logits, hidden, strict=True), strict=True))
+        for follower, leader in shared.items():
+            seq, lead = sequences[follower], sequences[leader]
+            self.slots.copy_rows(lead.slot, seq.slot, len(seq.prompt_ids))
+            rows, states = results[leader]
+            results[follower] = rows.clone(), None if states is None else states[seq.cached - lead.cached :]
+        logits = [results[i][0] for i in range(len(sequences))]
+        hidden = [results[i][1] for i in range(len(sequences))]
         return [rows[rows.shape[0] - len(d) - 1 :] for rows, d in zip(logits, drafts, strict=True)], hidden
+
+    def _shared_prefills(self, sequences: list[SequenceState]) -> dict[int, int]:
+        """Sequences of this step whose prompt another one prefills in it (the n choices of a
+        request, or one prompt sent twice): follower index -> its leader, the one with the
+        fewest tokens of that prompt cached, whose new rows cover the others'. Only where the
+        runner reuses prefixes: there the rows of a prompt are the same bits in any company,
+        so a copy is what the follower's own prefill would have written."""
+        if not self.slots.reuses_prefixes:
+            return {}
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, seq in enumerate(sequences):
+            if seq.prompt_uncached:
+                groups.setdefault(tuple(seq.prompt_ids), []).append(i)
+        shared = {}
+        for members in groups.values():
+            leader = min(members, key=lambda i: sequences[i].cached)
+            shared.update({i: leader for i in members if i != leader})
+        return shared
 
     def _hidden_states(self, slots: list[int], new_tokens: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """What the last forward kept of each slot's new rows: from the runner that ran the batch

@@ -178,3 +178,46 @@ def test_after_an_engine_crash_no_slot_offers_what_it_held():
     assert engine.generate(PROMPTS[:1], max_new_tokens=8)[0].stats.prompt_tokens_reused == len(PROMPTS[0]) - 2
     engine.decoder.reset()  # what the server's worker does after a crash
     assert all(r.stats.prompt_tokens_reused == 0 for r in engine.generate(PROMPTS, max_new_tokens=8, max_batch_size=3))
+
+
+def prefill_rows(monkeypatch) -> list[int]:
+    """The rows of every prefill forward (one new token's logits asked per sequence) from now on."""
+    rows: list[int] = []
+    forward = SlotPool.forward
+
+    def spy(self, slots, token_ids, num_logits, *args):
+        if any(len(t) > n for t, n in zip(token_ids, num_logits)):
+            rows.append(sum(len(t) for t in token_ids))
+        return forward(self, slots, token_ids, num_logits, *args)
+
+    monkeypatch.setattr(SlotPool, "forward", spy)
+    return rows
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "head"])
+def test_a_prompt_sent_several_times_in_one_step_is_prefilled_once(monkeypatch, drafter):
+    """The n choices of a request (or one prompt sent twice) share one prefill: the others copy
+    its rows, and decode as if each had run its own (greedy and seeded samples alike; a draft
+    head gets the copied rows' hidden states)."""
+    model = head64_llama(0)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    runs = {}
+    for prefix_cache in (False, True):
+        make = (lambda: PromptLookupDrafter()) if drafter == "lookup" else (lambda: head_drafter(model))
+        engine = SpeculativeEngine(c_runner(model), drafter=make(), num_speculative_tokens=3)
+        engine.open_caches(CacheOptions(response_cache=False, draft_store=False, prefix_cache=prefix_cache))
+        rows = prefill_rows(monkeypatch)
+        greedy = engine.generate(prompts, max_new_tokens=20, max_batch_size=4)
+        seeded = engine.generate(prompts[:1] * 3, max_new_tokens=20, max_batch_size=3, temperature=0.9, seed=3)
+        runs[prefix_cache] = greedy, seeded, rows
+        monkeypatch.undo()
+    (greedy_alone, seeded_alone, rows_alone), (greedy, seeded, rows) = runs[False], runs[True]
+    assert rows_alone[0] == sum(map(len, prompts))
+    assert rows[0] == len(PROMPTS[1]) + len(PROMPTS[0])  # each prompt once
+    for results, alone in ((greedy, greedy_alone), (seeded, seeded_alone)):
+        assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+        assert [r.stats.drafted_tokens for r in results] == [r.stats.drafted_tokens for r in alone]
+    if drafter == "lookup":
+        assert_drafted_and_accepted(greedy)
+    else:  # an untrained head drafts (from the copied rows' states too), and is rarely right
+        assert all(r.stats.drafted_tokens for r in greedy)

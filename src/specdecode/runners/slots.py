@@ -148,6 +148,11 @@ class SlotPool:
             runner.reset()  # a crop would keep the long tensors' storage (transformers crops by views)
         self._free.append(slot)
 
+    def copy_rows(self, source: int, slot: int, end: int) -> None:
+        """The slot's cache extended to `end` positions by copying source's, which holds the same
+        tokens up to there (a prompt another sequence prefilled, pooled prefills only)."""
+        self.slots[slot].cache.copy_rows(self.slots[source].cache, end)
+
     def crop(self, slot: int, length: int) -> None:
         self.slots[slot].crop(length)
 

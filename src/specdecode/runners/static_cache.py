@@ -98,6 +98,17 @@ class StaticKVCache:
         self.length = start + len(offsets)
         self._written = None
 
+    def copy_rows(self, source: StaticKVCache, end: int) -> None:
+        """Positions length .. end - 1 from source's cache, which holds the same tokens there (a
+        prefill another sequence ran); the length becomes end."""
+        if not self.length <= end <= source.length:
+            raise ValueError(f"copy_rows to {end}: this cache holds {self.length}, the source {source.length}")
+        self.reserve(end - self.length)
+        with torch.inference_mode():  # see keep(): the caches may hold inference tensors
+            for mine, theirs in zip(self.keys + self.values, source.keys + source.values):
+                mine[:, self.length : end] = theirs[:, self.length : end]
+        self.length, self._written = end, None
+
     def causal_mask(self, num_new: int) -> torch.Tensor | None:
         """[num_new, length + num_new] bool: a new token sees the cache and the new tokens up to itself."""
         if num_new == 1:
