@@ -55,3 +55,14 @@ def test_a_prompt_that_starts_as_an_earlier_one_prefills_the_rest_and_answers_th
     assert [r.usage.prompt_tokens_details.cached_tokens for r in expected] == [0, 0]
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == len(SHARED.split()) == counted
+
+
+def test_serve_says_whether_prefixes_are_kept_and_why_not(c_layers_dir, tiny_model_dir):
+    from specdecode.cli.serving import _prefix_note
+
+    on = SpeculativeEngine.from_pretrained(c_layers_dir, cache=CacheOptions(response_cache=False))
+    off = SpeculativeEngine.from_pretrained(c_layers_dir, cache=CacheOptions(prefix_cache=False))
+    other = SpeculativeEngine.from_pretrained(tiny_model_dir)  # no C layers for its head size
+    assert _prefix_note(on, True).startswith("on")
+    assert _prefix_note(off, False) == "off (--no-prefix-cache)"
+    assert "rounds a row by the rows beside it" in _prefix_note(other, True)

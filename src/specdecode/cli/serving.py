@@ -173,8 +173,18 @@ def serve(
     sizes = f"max_model_len {engine.max_model_len}, up to {server_app.state.worker.decoder.capacity} requests at once"
     stderr.print(f"serving {target} on http://{host}:{port}/v1 ({sizes}; {config.key_note})", soft_wrap=True)
     stderr.print(f"target precision: {engine.precision}", soft_wrap=True)
+    stderr.print(f"kept prefixes: {_prefix_note(engine, prefix_cache)}", soft_wrap=True)
     with user_errors():
         run_server(server_app, config.host, config.port)
+
+
+def _prefix_note(engine, asked: bool) -> str:
+    """Whether a freed slot keeps its KV cache for a prompt that starts the same (docs/caching.md)."""
+    if engine.decoder.slots.reuses_prefixes:
+        return "on (a prompt that starts as an earlier one prefills only the rest; --no-prefix-cache: off)"
+    if not asked:
+        return "off (--no-prefix-cache)"
+    return "off (this runner's prefill rounds a row by the rows beside it; the w8a8 C layers reuse prefixes)"
 
 
 def _scaling(replicas: int, replica_cpus: float, min_replicas, max_replicas, target_ongoing_requests):
