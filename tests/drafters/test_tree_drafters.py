@@ -157,6 +157,22 @@ def test_a_token_drafted_twice_writes_its_row_from_its_first_occurrence():
     assert table.ids[5].tolist() == [1, 2] and table.ids[6].tolist() == [3, 4]
 
 
+def test_writes_applied_together_leave_the_table_as_one_at_a_time():
+    """The table applies a step's writes (one per sequence) in one top-k when it is next read:
+    the later write of a token wins, and within a write its first row, as applied one by one."""
+    generator = torch.Generator().manual_seed(0)
+    writes = [([5, 6, 5], torch.randn(3, 300, generator=generator)) for _ in range(4)]
+    writes += [([7, 6], torch.randn(2, 300, generator=generator)), ([9], torch.randn(1, 300, generator=generator))]
+    together, one_by_one = TokenTable(300, 8), TokenTable(300, 8)
+    for rows, logits in writes:
+        together.write(rows, logits)
+        one_by_one.write(rows, logits)
+        assert one_by_one.ids.shape == (301, 8)  # read, so applied now
+    assert torch.equal(together.ids, one_by_one.ids)
+    assert together.ids[6].tolist() == writes[4][1][1].topk(8).indices.tolist()  # the last write of 6
+    assert together.ids[5].tolist() == writes[3][1][0].topk(8).indices.tolist()  # its write's first row
+
+
 def test_the_table_is_shared_by_forks():
     drafter = recycling()
     fork = drafter.fork()

@@ -48,32 +48,59 @@ RANK_ACCEPTANCE: Acceptance = (
 LOOKUP_ACCEPTANCE = 0.5
 LOOKUP_PRIOR_WEIGHT = 4.0  # pseudo-counts of the prior, so that a few verdicts move it
 UNWRITTEN = -1  # a table entry no logits wrote yet
+PENDING_ROWS = 64  # rows of logits a table holds back at most (TokenTable.write): their memory is bounded
 
 
 class TokenTable:
     """[vocab + 1, width] int32 token ids: row t holds the target's top candidates, best first,
     for the token after t, as the logits last written to it ranked them. The extra last row
-    stays UNWRITTEN: index -1 reads it, so an UNWRITTEN parent gathers UNWRITTEN children."""
+    stays UNWRITTEN: index -1 reads it, so an UNWRITTEN parent gathers UNWRITTEN children.
+
+    Writes wait until the table is next read (`ids`), or until PENDING_ROWS rows wait: the
+    drafters of a batch's sequences share one table and each writes after every step, so the
+    step's writes then take one top-k over all their rows instead of one each (torch's
+    per-call costs dominate a row or two)."""
 
     def __init__(self, vocab_size: int, width: int):
         if width < 1:
             raise InvalidArgumentError(f"the recycling table's width must be at least 1, got {width}", "width")
         self.vocab_size, self.width = vocab_size, width
-        self.ids = torch.full((vocab_size + 1, width), UNWRITTEN, dtype=torch.int32)
+        self._ids = torch.full((vocab_size + 1, width), UNWRITTEN, dtype=torch.int32)
+        self._pending: list[tuple[list[int], torch.Tensor]] = []  # writes not applied yet, in order
+
+    @property
+    def ids(self) -> torch.Tensor:  # [vocab + 1, width] int32, every write so far applied
+        self._apply_pending()
+        return self._ids
 
     def write(self, rows: list[int], logits: torch.Tensor) -> None:
         """Row rows[i] from logits[i] ([n, vocab]); where a token repeats, its first row wins
         (the caller lists the surest context first), so a write does not depend on the order
-        in which index_put resolves duplicates."""
+        in which index_put resolves duplicates; a later write wins over an earlier one."""
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits over {logits.shape[-1]} tokens for a table of {self.vocab_size}")
-        first: dict[int, int] = {}
-        for i, token in enumerate(rows):
-            first.setdefault(token, i)
-        if len(first) < len(rows):
-            logits = logits[list(first.values())]
+        self._pending.append((rows, logits))
+        if sum(len(rows) for rows, _ in self._pending) >= PENDING_ROWS:  # not read for a while (target-only)
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """The writes held back, as if applied one after the other, in one top-k."""
+        writes, self._pending = self._pending, []
+        if not writes:
+            return
+        chosen: dict[int, int] = {}  # token -> its row among all the writes' rows
+        offset = 0
+        for rows, logits in writes:
+            first: dict[int, int] = {}
+            for i, token in enumerate(rows):
+                first.setdefault(token, offset + i)
+            chosen.update(first)
+            offset += logits.shape[0]
+        logits = writes[0][1] if len(writes) == 1 else torch.cat([logits for _, logits in writes])
+        if len(chosen) < logits.shape[0]:
+            logits = logits[list(chosen.values())]
         top = top_candidates(logits, min(self.width, self.vocab_size))  # [n, width]
-        self.ids[torch.tensor(list(first), dtype=torch.long), : top.shape[1]] = top.to("cpu", torch.int32)
+        self._ids[torch.tensor(list(chosen), dtype=torch.long), : top.shape[1]] = top.to("cpu", torch.int32)
 
     def expand(self, root: int, budget: int, acceptance: Acceptance) -> tuple[list[int], tuple[int, ...]]:
         """The tokens of the static tree of `budget` nodes below root (UNWRITTEN where the
