@@ -391,7 +391,7 @@ def _chat_prompt(engine: SpeculativeEngine, body: schemas.ChatCompletionRequest)
 
 def _usage(*results: GenerationResult) -> schemas.Usage:
     prompt, completion = len(results[0].prompt_token_ids), sum(len(r.token_ids) for r in results)
-    cached = min(r.stats.prompt_tokens_reused for r in results)  # each choice prefilled on its own
+    cached = min(r.stats.prompt_tokens_reused for r in results)  # what every choice found kept
     return schemas.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
