@@ -80,7 +80,7 @@ class TokenTable:
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits over {logits.shape[-1]} tokens for a table of {self.vocab_size}")
         self._pending.append((rows, logits))
-        if sum(len(rows) for rows, _ in self._pending) >= PENDING_ROWS:  # not read for a while (target-only)
+        if sum(len(written) for written, _ in self._pending) >= PENDING_ROWS:  # unread a while (target-only)
             self._apply_pending()
 
     def _apply_pending(self) -> None:
