@@ -45,6 +45,16 @@ def same_bits_on_one_thread_and_two(product: Callable[[torch.Tensor], torch.Tens
         torch.set_num_threads(threads)
 
 
+def c_layers_run_here() -> bool:
+    """The own w8a8 products and the C decoder layers load on this machine (a CPU they run on,
+    and gcc): what tests of the C layers, and of what only they allow, need."""
+    from specdecode.kernels import int8_kernel, int8_layer
+    from specdecode.runners import projection
+
+    kernel = int8_kernel.load() if projection.int8_supported() else None
+    return kernel is not None and projection.own_kernel() is not None and int8_layer.load() is not None
+
+
 def kernel_isas() -> tuple[str, ...]:
     """The builds of the int8 kernels this CPU runs (AVX512-VNNI, AVX2, portable), fastest first:
     what the kernel tests run on, each compared with the same reference."""

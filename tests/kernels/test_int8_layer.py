@@ -20,23 +20,17 @@ import torch
 
 import helpers
 from helpers import assert_drafted_and_accepted, head64_llama, same_bits
-from helpers.bits import every_kind_of_forward, forced_kernel_isa, kernel_isas
+from helpers.bits import c_layers_run_here, every_kind_of_forward, forced_kernel_isa, kernel_isas
 from specdecode import SpeculativeEngine
 from specdecode.cache.response_cache import runner_variant
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.kernels import int8_kernel, int8_layer
-from specdecode.runners import projection
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 
 EVERY_PRODUCT = Int8Recipe(keep_float=(), smoothing=0.0)
 
 
-def _kernels_here() -> bool:
-    kernel = int8_kernel.load() if projection.int8_supported() else None
-    return kernel is not None and projection.own_kernel() is not None and int8_layer.load() is not None
-
-
-pytestmark = pytest.mark.skipif(not _kernels_here(), reason="no own w8a8 product or no gcc here")
+pytestmark = pytest.mark.skipif(not c_layers_run_here(), reason="no own w8a8 product or no gcc here")
 
 
 @pytest.fixture(params=kernel_isas())

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from helpers import assert_drafted_and_accepted, head64_llama, same_bits
+from helpers.bits import c_layers_run_here
 from specdecode import SpeculativeEngine
 from specdecode.cache.engine_caches import CacheOptions
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.drafters.head import HeadDrafter, head_config, new_head
-from specdecode.kernels import int8_kernel, int8_layer
-from specdecode.runners import HFModelRunner, projection
+from specdecode.runners import HFModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 from specdecode.runners.slots import SlotPool
 
@@ -27,12 +27,7 @@ PROMPTS = [
 ]
 
 
-def _kernels_here() -> bool:
-    kernel = int8_kernel.load() if projection.int8_supported() else None
-    return kernel is not None and projection.own_kernel() is not None and int8_layer.load() is not None
-
-
-pytestmark = pytest.mark.skipif(not _kernels_here(), reason="no own w8a8 product or no gcc here")
+pytestmark = pytest.mark.skipif(not c_layers_run_here(), reason="no own w8a8 product or no gcc here")
 
 
 def c_runner(model=None) -> FastLlamaRunner:

@@ -9,17 +9,14 @@ import pytest
 
 from helpers import SERVED_MODEL as MODEL
 from helpers import head64_llama, metric, serving, tiny_tokenizer, wait_for
+from helpers.bits import c_layers_run_here
 from specdecode import CacheOptions, SpeculativeEngine
-from specdecode.kernels import int8_layer
-from specdecode.runners import projection
 from specdecode.server import create_app
 
 SHARED = " ".join(f"w{i}" for i in range(10, 50))  # 40 tokens two prompts start with
 PROMPTS = [f"{SHARED} w3 w4 w5 w3 w4", f"{SHARED} w7 w8 w9 w7 w8 w9"]
 
-pytestmark = pytest.mark.skipif(
-    projection.own_kernel() is None or int8_layer.load() is None, reason="no C layers here (no prefix reuse)"
-)
+pytestmark = pytest.mark.skipif(not c_layers_run_here(), reason="no C layers here (no prefix reuse)")
 
 
 @pytest.fixture(scope="module")
