@@ -347,8 +347,12 @@ def test_quick_run_on_the_real_model(tmp_path):
     # speculation: exact relative to the engine's own target-only run, in any dtype
     speculative = [r for r in results["summary"] if r["group"] == "d"]
     assert speculative and all(r["greedy_identical"] == 1.0 for r in speculative), results["greedy_differences"]
-    if results["environment"]["dtype"] == "float32":  # the engine's target-only is transformers' generate
-        target_only = [r for r in results["summary"] if r["group"] == "c"]
+    target_only = [r for r in results["summary"] if r["group"] == "c"]
+    # where the engine's target-only runs float32 without quantization (a CPU without the w8a8
+    # kernels' default), it is transformers' generate's arithmetic
+    if results["environment"]["dtype"] == "float32" and not any(
+        r["system"] != "specdecode target-only" for r in target_only
+    ):
         assert all(r["greedy_identical"] == 1.0 for r in target_only), results["greedy_differences"]
     assert (tmp_path / "speedup_by_category.png").exists()
     print(f"quick bench: {elapsed:.0f} s")

@@ -336,6 +336,7 @@ def onednn_twin(product: Int8Projection, weight: torch.Tensor) -> Int8Projection
 
 
 @needs_own_product
+@pytest.mark.skipif(not projection.has_vnni(), reason="without VNNI oneDNN's products saturate 8-bit weights' sums")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_own_int8_kernel_gives_onednn_s_bits(dtype, isa):
     """Products of the model's shapes (and a last group of 40 columns), 1 to 40 rows, in one call
@@ -413,6 +414,9 @@ def test_without_the_c_kernel_w8a8_runs_torch_s_operations_with_the_same_bits(mo
         without = int8_runner()
     assert caplog.text.count("w8a8 kernel unavailable") == 1
     assert all(p.compensation is None for layer in without.layers for p in (layer.qkv, layer.o, layer.gate_up))
+    if not projection.has_vnni():  # oneDNN's products take 7-bit weights here: other bits, fingerprinted apart
+        assert runner_variant(without) != runner_variant(with_kernels)
+        return
     assert same_bits(without.forward(ids, 3), expected[0]) and same_bits(without.forward(verified, 8), expected[1])
     assert runner_variant(without) == runner_variant(with_kernels)
 

@@ -6,6 +6,7 @@ bitwise equal on this CPU: the same products in the same order); bfloat16 within
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -124,11 +125,15 @@ def half_precision_llama(dtype: torch.dtype = torch.bfloat16, hidden: int = 64, 
 # remove, as the CPUs they were measured on round it; other CPUs' kernels may round those
 # calls alike by chance, so there the controls are skipped (the exactness checks still run).
 # Batched attention was seen to differ on AMX CPUs and, since queries of a key/value head
-# share one call (attention._sdpa), on CPUs with AVX512-BF16 and no AMX.
+# share one call (attention._sdpa), on CPUs with AVX512-BF16 and no AMX, and on AVX2 CPUs.
 AMX = "amx_bf16" in cpu_flags()
 needs_amx = pytest.mark.skipif(not AMX, reason="the negative control was measured on an AMX CPU")
 needs_bf16_cpu = pytest.mark.skipif(
     "avx512_bf16" not in cpu_flags(), reason="the negative control was measured on CPUs with AVX512-BF16"
+)
+needs_measured_attention = pytest.mark.skipif(
+    "avx512_bf16" not in cpu_flags() and "avx512f" in cpu_flags(),
+    reason="batched attention was measured to round otherwise on CPUs with AVX512-BF16 and on AVX2 CPUs",
 )
 
 
@@ -140,17 +145,9 @@ def half_precision_gpt2(dtype: torch.dtype) -> FastGPT2Runner:
     return FastGPT2Runner(GPT2LMHeadModel(config).eval().to(dtype))
 
 
-# float16 rows are independent only through oneDNN's float16 products, which need AVX512-FP16
-# or AVX-NE-CONVERT; on other CPUs F.linear runs them and verification is exact only to rounding
-HALF_DTYPES = [
-    torch.bfloat16,
-    pytest.param(
-        torch.float16,
-        marks=pytest.mark.skipif(
-            not quantization.onednn_supports(torch.float16), reason="no oneDNN float16 on this CPU"
-        ),
-    ),
-]
+# oneDNN multiplies float16 where the CPU has AVX512-FP16 or AVX-NE-CONVERT (bfloat16: AVX512-BF16
+# or AMX); elsewhere its products run widened to float32 (projection.onednn_dtype), rows apart too
+HALF_DTYPES = [torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("make", [half_precision_llama, half_precision_gpt2], ids=["llama", "gpt2"])
@@ -161,7 +158,7 @@ def test_verification_on_the_cpu_gives_each_token_its_logits_decoded_alone(make,
     assert verified_differs_from_alone(runner) == 0
 
 
-@needs_bf16_cpu
+@needs_measured_attention
 @pytest.mark.parametrize("make", [half_precision_llama, half_precision_gpt2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_half_precision_verification_without_per_query_attention_would_differ(make, dtype):
@@ -298,6 +295,29 @@ def one_row_vs_batched_differences(product, inputs: int = 1536, rows: int = 64, 
 def test_bfloat16_rows_get_the_same_bits_alone_and_among_others():
     weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert one_row_vs_batched_differences(quantization.projection(weight, None, None)) == 0
+
+
+@pytest.fixture
+def onednn_multiplies_float32_only(monkeypatch):
+    """oneDNN as on a CPU without AVX512-BF16, AMX or AVX512-FP16 (an AVX2 one), on any CPU."""
+    monkeypatch.setattr(quantization, "onednn_supports", lambda dtype: dtype == torch.float32)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_where_onednn_multiplies_float32_only_half_precision_runs_widened_and_exact(
+    onednn_multiplies_float32_only, dtype
+):
+    weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(1)).to(dtype)
+    product = quantization.projection(weight, torch.ones(576, dtype=dtype), None)
+    assert product.reordered and product.weight.dtype == product.bias.dtype == torch.float32
+    assert one_row_vs_batched_differences(product, dtype=dtype) == 0
+    x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = product(x)  # accumulated in float32, rounded once: F.linear's result to its rounding
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, F.linear(x.float(), weight.float(), torch.ones(576)).to(dtype))
+    runner = half_precision_llama(dtype)
+    assert runner.per_query_attention and runner.batch_invariant
+    assert verified_differs_from_alone(runner) == 0
 
 
 AVX512 = "avx512f" in cpu_flags()

@@ -245,8 +245,11 @@ def test_without_the_kernel_the_head_runs_torch_s_operations_with_the_same_bits(
     with caplog.at_level(logging.WARNING, logger="specdecode.kernels.int8_kernel"):
         without = runner()
     assert without.lm_head.compensation is None  # plain codes: the torch path
-    assert same_bits(without.forward(ids, 3), expected[0]) and same_bits(without.forward(verified, 8), expected[1])
     assert verified_differs_from_alone(without, 8) == 0
+    if not projection.has_vnni():  # the layers' oneDNN products take 7-bit weights here: other bits, told apart
+        assert runner_variant(without) != runner_variant(with_kernel)
+        return
+    assert same_bits(without.forward(ids, 3), expected[0]) and same_bits(without.forward(verified, 8), expected[1])
     assert runner_variant(without) == runner_variant(with_kernel)
 
 

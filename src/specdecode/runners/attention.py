@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdecode.runners.projection import onednn_supports
+from specdecode.runners.projection import row_independent_products
 
 
 def attend(
@@ -38,7 +38,7 @@ def attend(
 def per_query_by_default(dtype: torch.dtype, device: torch.device) -> bool:
     """On the CPU, where oneDNN runs the products and keeps their rows apart (projection.py):
     there one query at a time makes verification exact, bit for bit (tested)."""
-    return device.type == "cpu" and onednn_supports(dtype)
+    return device.type == "cpu" and row_independent_products(dtype)
 
 
 def _sdpa(

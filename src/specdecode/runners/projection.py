@@ -77,7 +77,8 @@ class Projection:
         return self._onednn_kernel(x)
 
     def _onednn_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn_linear(x, self.weight, self.bias)
+        # a widened weight (onednn_dtype) multiplies the rows widened, rounded back once
+        return onednn_linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
 def projection(
@@ -93,10 +94,12 @@ def projection(
         # through MKL, whose products of several rows cost several times one row; reordered
         # once, oneDNN runs 1-16 rows for about the cost of one (docs/speed.md) and computes
         # each row the same whatever rows share its product (what exact verification and
-        # batching need). bfloat16 results are F.linear's bit for bit.
-        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
-        bias = bias.clone() if bias is not None else None  # all of it apart from the model's tensors
-        return Projection(reordered, bias, reordered=True, pad_one_row=_pads_one_row(weight))
+        # batching need). bfloat16 results are F.linear's bit for bit where oneDNN multiplies
+        # bfloat16; where it multiplies float32 only, the weight is held widened (see onednn_dtype).
+        widened = weight.to(onednn_dtype(weight.dtype)).contiguous()
+        reordered = torch.ops.mkldnn._reorder_linear_weight(widened, ONEDNN_ROWS)
+        bias = bias.to(widened.dtype, copy=True) if bias is not None else None  # apart from the model's tensors
+        return Projection(reordered, bias, reordered=True, pad_one_row=_pads_one_row(widened))
     if quantization is None:
         return Projection(weight, bias)
     if quantization is not precision.INT8_WEIGHT_ONLY:
@@ -120,11 +123,28 @@ def onednn_layout(weight: torch.Tensor) -> bool:
     """Whether a weight is kept reordered for oneDNN: on a CPU build with it, whose processor
     oneDNN runs that dtype on (its float16 path needs AVX512-FP16 or AVX-NE-CONVERT, and
     refuses a CPU with AVX-512 but neither)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and onednn_supports(weight.dtype)
-    )
+    return weight.device.type == "cpu" and onednn_dtype(weight.dtype) is not None
+
+
+def onednn_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype oneDNN multiplies a weight of this dtype in, on this CPU: its own where oneDNN
+    runs it; float32 for a half-precision weight where oneDNN runs float32 only (a CPU without
+    AVX512-BF16 or AMX for bfloat16, without AVX512-FP16 or AVX-NE-CONVERT for float16), the
+    weight held widened (exactly: twice its memory) and each product's rows widened and rounded
+    back once, as a half-precision product accumulates in float32 and rounds once. F.linear
+    there rounds a row by its product's row count, and verification would not be exact. None
+    where oneDNN runs neither."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if onednn_supports(dtype):
+        return dtype
+    return torch.float32 if onednn_supports(torch.float32) else None
+
+
+def row_independent_products(dtype: torch.dtype) -> bool:
+    """Whether the fast paths' float products of this dtype compute a row the same whatever rows
+    share its product, on this CPU: oneDNN's, in the dtype or widened (onednn_dtype)."""
+    return onednn_dtype(dtype) is not None
 
 
 @functools.cache

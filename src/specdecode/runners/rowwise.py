@@ -19,7 +19,8 @@ one, while the 4-bit weights, the dominant cost, are still read once per verific
 LLM.int8 layers (bitsandbytes int8 with an outlier threshold) compute in float the input
 columns where any row of the product exceeds the threshold: a row's result depends on its
 neighbours. During a verification forward (`verifying()`) they run one row at a time, as in
-one-token decoding; that reads their int8 weights once per row.
+one-token decoding; that reads their int8 weights once per row. So do 4-bit layers on a CPU
+without AVX512-BF16, where bitsandbytes multiplies a dequantized weight with torch's product.
 """
 
 from __future__ import annotations
@@ -94,12 +95,23 @@ def make_rows_exact(model: PreTrainedModel) -> list[torch.nn.Linear]:
     embedding = model.get_input_embeddings().weight
     copied = []
     for module in model.modules():
-        if type(module).__name__ == "Linear8bitLt" and getattr(module.state, "threshold", 0) > 0:
+        if _rounds_rows_together(module):
             module.forward = _one_row_at_a_time(module.forward)
         elif type(module) is torch.nn.Linear and onednn_layout(module.weight):
             _run_on_onednn(module)
             copied += [module] if module.weight is not embedding else []
     return copied
+
+
+def _rounds_rows_together(module: torch.nn.Module) -> bool:
+    """An LLM.int8 layer with an outlier threshold, or a 4-bit layer that bitsandbytes runs as a
+    dequantized weight and torch's product (on CPUs without AVX512-BF16, for which it has no
+    4-bit kernel of its own; that product rounds a row by the row count): a verification runs
+    it one row at a time, as one-token decoding does."""
+    if type(module).__name__ == "Linear8bitLt":
+        return getattr(module.state, "threshold", 0) > 0
+    four_bit = any(cls.__name__ == "Linear4bit" for cls in type(module).__mro__)
+    return four_bit and not getattr(module, "support_avx512bf16_for_cpu", True)
 
 
 def _run_on_onednn(linear: torch.nn.Linear) -> None:

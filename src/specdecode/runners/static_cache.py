@@ -8,7 +8,7 @@ import torch
 
 from specdecode.loading import copy_off_file_map
 from specdecode.runners.opaque import write_rows
-from specdecode.runners.projection import onednn_supports
+from specdecode.runners.projection import row_independent_products
 
 
 class StaticKVCache:
@@ -176,7 +176,7 @@ class StaticCacheRunner:
         """On the CPU, whose verification attends one query at a time and whose oneDNN products
         keep rows independent (tests/runners/test_fast_runners.py); elsewhere kernels may round a row
         by the rows beside it."""
-        return self.per_query_attention and onednn_supports(self.dtype)
+        return self.per_query_attention and row_independent_products(self.dtype)
 
     @property
     def cache_length(self) -> int:
