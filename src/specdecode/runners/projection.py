@@ -120,9 +120,8 @@ def _pads_one_row(weight: torch.Tensor) -> bool:  # [out, in]
 
 
 def onednn_layout(weight: torch.Tensor) -> bool:
-    """Whether a weight is kept reordered for oneDNN: on a CPU build with it, whose processor
-    oneDNN runs that dtype on (its float16 path needs AVX512-FP16 or AVX-NE-CONVERT, and
-    refuses a CPU with AVX-512 but neither)."""
+    """Whether a weight is kept reordered for oneDNN: on a CPU build with it, in its dtype or
+    widened to float32 (onednn_dtype)."""
     return weight.device.type == "cpu" and onednn_dtype(weight.dtype) is not None
 
 
@@ -131,9 +130,10 @@ def onednn_dtype(dtype: torch.dtype) -> torch.dtype | None:
     runs it; float32 for a half-precision weight where oneDNN runs float32 only (a CPU without
     AVX512-BF16 or AMX for bfloat16, without AVX512-FP16 or AVX-NE-CONVERT for float16), the
     weight held widened (exactly: twice its memory) and each product's rows widened and rounded
-    back once, as a half-precision product accumulates in float32 and rounds once. F.linear
-    there rounds a row by its product's row count, and verification would not be exact. None
-    where oneDNN runs neither."""
+    back once, as a half-precision product accumulates in float32 and rounds once. Nothing
+    promises that F.linear keeps rows apart there (MKL's float32 products do not), and several
+    rows cost it several one-row products (benchmarks/results/widened-products.md). None where
+    oneDNN runs neither."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     if onednn_supports(dtype):
