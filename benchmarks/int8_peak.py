@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdecode.bench.scripts import script_parser, write_table
+from specdecode.cpu import runnable_kernel_isas
 from specdecode.kernels import int8_kernel
 from specdecode.runners.projection import int8_projection, w8a16_projection
 
@@ -91,9 +92,9 @@ def instructions_per_token() -> tuple[int, int]:
 
 
 def run(args) -> str:
-    if int8_kernel.load() is None or int8_kernel.load().isa != "avx512-vnni":
+    if "avx512-vnni" not in runnable_kernel_isas() or int8_kernel.load("avx512-vnni") is None:
         return "This CPU runs no AVX512-VNNI kernel: nothing to measure.\n"
-    kernel = int8_kernel.load()
+    kernel = int8_kernel.load("avx512-vnni")  # vpdpbusd's products, on an AMX CPU too
     peaks = peak_rates()
     layer = {name: int8_projection(torch.randn(*shape) * 0.02, None) for name, shape in LAYER.items()}
     head = w8a16_projection(torch.randn(*HEAD) * 0.02, None)

@@ -1,5 +1,5 @@
 """The w8a8 fast path on each build of the int8 kernels this CPU runs (cpu.KERNEL_ISAS:
-AVX512-VNNI, AVX2, portable C), one process, the builds interleaved.
+AMX, AVX512-VNNI, AVX2, portable C), one process, the builds interleaved.
 
 For each build, forced as SPECDECODE_KERNEL_ISA forces it (its products, its w8a16 head and its C
 decoder layers), the default model in bfloat16 with the default w8a8 recipe:
@@ -10,7 +10,7 @@ decoder layers), the default model in bfloat16 with the default w8a8 recipe:
   the prefix's prefill, the builds alternated every repeat;
 - the products alone (30 layers' and the w8a16 head's, weights warm in cache), 1, 8 and 16 rows.
 
-    .venv/bin/python benchmarks/w8a8_isa.py [--isas avx512-vnni avx2] [--tokens 2048] [--repeats 15]
+    .venv/bin/python benchmarks/w8a8_isa.py [--isas amx avx512-vnni avx2] [--tokens 2048] [--repeats 15]
         [--prefix 200] [--out FILE]
 """
 

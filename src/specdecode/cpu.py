@@ -27,10 +27,12 @@ KERNEL_ENV = (
 
 
 # The builds of this package's int8 kernels (kernels/csrc/w8a8.c, int8_layer.c), fastest first, with
-# the cpuinfo flags each needs: AVX512-VNNI (compiled for this CPU), AVX2 (compiled for x86-64-v3:
+# the cpuinfo flags each needs: AMX (AVX512-VNNI's with tile multiplies for products of many rows),
+# AVX512-VNNI (compiled for this CPU), AVX2 (compiled for x86-64-v3:
 # AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE and what v2 has) and portable C (any CPU). Every build
 # writes the same bits (integer sums, then the same float32 operations in the same order).
 KERNEL_ISAS = {
+    "amx": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"}),
     "avx512-vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
     "avx2": frozenset(
         {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave"}

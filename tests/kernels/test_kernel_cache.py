@@ -163,11 +163,11 @@ def test_each_instruction_set_has_a_key_of_its_own_and_the_key_reads_the_include
     """The int8 kernels are built once per instruction set (builds.ISA_FLAGS, part of the key),
     and from the files their source includes: an edit of an included header builds again."""
     source = native.CSRC / "w8a8.c"
-    assert native.sources(source) == (source, native.CSRC / "w8a8_scalar.h")
+    assert native.sources(source) == (source, native.CSRC / "w8a8_scalar.h", native.CSRC / "w8a8_amx.h")
     assert native.CSRC / "tree_attention.c" in native.sources(native.CSRC / "int8_layer.c")
-    keys = {isa: native.build_key(source, isa) for isa in ("native", "avx2", "portable")}
-    assert len(set(keys.values())) == 3
-    assert native.build_key(source, "avx512-vnni") == keys["native"]  # the same flags (the file names differ)
+    keys = {isa: native.build_key(source, isa) for isa in ("native", "avx512-vnni", "avx2", "portable")}
+    assert len(set(keys.values())) == 4
+    assert native.build_key(source, "amx") == keys["native"]  # the same flags (the file names differ)
     copies = []
     for name in ("as-is", "edited"):
         folder = tmp_path / name

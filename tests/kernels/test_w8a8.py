@@ -287,13 +287,22 @@ needs_own_product = pytest.mark.skipif(projection.own_kernel() is None, reason="
 
 @pytest.fixture(scope="module", params=kernel_isas())
 def c_kernel(request) -> int8_kernel.Int8Kernel:
-    """Each build of the kernel this CPU runs: AVX512-VNNI's, AVX2's and the portable C (which
+    """Each build of the kernel this CPU runs: AMX's, AVX512-VNNI's, AVX2's and the portable C (which
     CPUs without AVX2 run), each loaded as SPECDECODE_KERNEL_ISA would choose it."""
     if kernel is None:
         pytest.skip("no C compiler: the products run torch's operations")
     built = int8_kernel.load(request.param)
     assert built is not None and built.isa == request.param
     return built
+
+
+@pytest.mark.skipif("amx" not in kernel_isas(), reason="this CPU has no AMX-INT8")
+def test_the_amx_build_multiplies_on_tiles():
+    """The OS hands the process AMX's tiles (Linux asks for a request first), so the AMX build's
+    products of 8 rows or more are tile multiplies, and the comparisons of the builds' bits above
+    and below compare the tiles' sums, not its vpdpbusd items again."""
+    assert int8_kernel.load("amx").tiles
+    assert not int8_kernel.load("avx512-vnni").tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -465,7 +474,7 @@ def differing_products(build: int8_kernel.Int8Kernel, reference: int8_kernel.Int
     for out, inputs in ((576, 576), (960, 1536), (1, 4), (7, 20), (65, 68), (130, 1540)):
         packed, compensation, scales = packed_weight(out, inputs, generator)
         for bias in (None, torch.randn(out, generator=generator).to(dtype)):
-            for n in (1, 2, 3, 4, 5, 6, 7, 13, 40):
+            for n in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 40):
                 x = with_nan_and_inf(awkward_rows(n, inputs, dtype, seed=n + out))
                 expected = reference.quantized_product(x, packed, compensation, scales, bias)
                 codes, row_scales = reference.quantize_rows(x)
@@ -481,7 +490,8 @@ def differing_products(build: int8_kernel.Int8Kernel, reference: int8_kernel.Int
 @several_builds
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_build_writes_the_bits_of_the_fastest(dtype):
-    """The AVX2 and portable builds against AVX512-VNNI's (the fastest build this CPU runs)."""
+    """Every build against the fastest this CPU runs (AMX's, whose products of 8 rows or more are
+    tile multiplies, or AVX512-VNNI's)."""
     fastest, *others = kernel_isas()
     for isa in others:
         assert differing_products(int8_kernel.load(isa), int8_kernel.load(fastest), dtype) == [], isa
@@ -546,12 +556,14 @@ def test_greedy_output_is_the_same_with_every_build(model):
 
 
 def test_the_build_is_chosen_from_the_cpu_flags_and_the_variable(monkeypatch, caplog):
-    """AVX512-VNNI where the CPU has it, else AVX2 where it has x86-64-v3, else portable C;
-    SPECDECODE_KERNEL_ISA forces a build this CPU runs, and a build it does not run (its code
-    would die of SIGILL) is refused with a warning."""
-    every = cpu.KERNEL_ISAS["avx512-vnni"] | cpu.KERNEL_ISAS["avx2"]
+    """AMX where the CPU has AMX-INT8 (and AVX512-VNNI), else AVX512-VNNI where it has it, else
+    AVX2 where it has x86-64-v3, else portable C; SPECDECODE_KERNEL_ISA forces a build this CPU
+    runs, and a build it does not run (its code would die of SIGILL) is refused with a warning."""
+    every = cpu.KERNEL_ISAS["amx"] | cpu.KERNEL_ISAS["avx2"]
     monkeypatch.delenv(cpu.KERNEL_ISA_VARIABLE, raising=False)
     monkeypatch.setattr(cpu, "cpu_flags", lambda: every)
+    assert cpu.runnable_kernel_isas() == ("amx", "avx512-vnni", "avx2", "portable") and cpu.kernel_isa() == "amx"
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: every - {"amx_int8"})
     assert cpu.runnable_kernel_isas() == ("avx512-vnni", "avx2", "portable") and cpu.kernel_isa() == "avx512-vnni"
     monkeypatch.setenv(cpu.KERNEL_ISA_VARIABLE, "AVX2")
     assert cpu.kernel_isa() == "avx2"

@@ -86,7 +86,7 @@ def test_the_c_kernel_gives_the_torch_reference_s_bits(dtype, isa):
         for bias in (None, torch.randn(out, generator=generator).to(dtype)):
             product = w8a16_projection(weight, bias)
             assert product.compensation is not None  # the packed layout: the C kernel runs
-            for n in (1, 2, 3, 4, 5, 7, 16, 40):
+            for n in (1, 2, 3, 4, 5, 7, 8, 16, 17, 40):
                 x = wide_rows(n, inputs, dtype, seed=n + out)
                 expected = reference(product, x)
                 assert same_bits(product(x), expected), (out, inputs, n)
@@ -277,7 +277,7 @@ several_builds = pytest.mark.skipif(
 @several_builds
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_build_writes_the_head_s_bits_of_the_fastest(dtype):
-    """w8a16 products of the AVX2 and portable builds against AVX512-VNNI's: the quantization's
+    """w8a16 products of every build against the fastest's (AMX's tiles from 8 rows on): the quantization's
     bytes and scales, the product in one call and after it; awkward rows (zeros, denormal and huge
     scales, exact halves at the largest code, a NaN, an infinity), 1 to 40 rows, last groups of 1 to
     63 columns, inputs that are no multiple of 8 or 16, and more inputs than the full 16383 allows."""
@@ -289,7 +289,7 @@ def test_every_build_writes_the_head_s_bits_of_the_fastest(dtype):
             with forced_kernel_isa(kernel_isas()[0]):
                 product = w8a16_projection(weight, bias)
             packed = (product.weight, product.compensation, product.scales)
-            for n in (1, 2, 3, 4, 5, 7, 16, 40):
+            for n in (1, 2, 3, 4, 5, 7, 8, 16, 17, 40):
                 x = wide_rows(n, inputs, dtype, seed=n + out)
                 if n > 4:
                     x[3, -1], x[4, 0] = float("nan"), float("inf")

@@ -128,7 +128,7 @@ def kernel_fingerprint() -> list:
     to: torch.__config__.show()), the float32 matmul precision, torch's thread count (float32
     products split their sums by threads, so another count can give other bits), the CPU's model,
     instruction-set extensions and the variables that cap them (cpu.kernel_choices), and which
-    build of this package's int8 kernels runs (cpu.kernel_isa: AVX512-VNNI, AVX2 or portable; the
+    build of this package's int8 kernels runs (cpu.kernel_isa: AMX, AVX512-VNNI, AVX2 or portable; the
     builds give the same bits, tested, and the key still names the one that ran)."""
     import transformers
 

@@ -34,7 +34,8 @@ OPENMP_FLAGS = ("-fopenmp",)
 # these flags
 ISA_FLAGS = {
     "native": ("-march=native",),
-    "avx512-vnni": ("-march=native",),  # chosen only where the CPU has AVX512-VNNI
+    "amx": ("-march=native",),  # chosen only where the CPU has AMX-INT8 (and AVX512-VNNI)
+    "avx512-vnni": ("-march=native", "-DSD_NO_AMX"),  # chosen only where the CPU has AVX512-VNNI
     # the same instructions on every AVX2 CPU, and none of AVX-512's on CPUs that have it
     "avx2": ("-march=x86-64-v3",),
     "portable": ("-march=native", "-DSD_PORTABLE"),  # the plain C sections, vectorized by gcc
@@ -42,6 +43,7 @@ ISA_FLAGS = {
 # a wheel's builds on x86-64: x86-64-v3 is cpu.KERNEL_ISAS' "avx2" set, and the AVX-512 build adds
 # only the four extensions that set requires (not x86-64-v4's CD and DQ)
 WHEEL_ISA_FLAGS = {
+    "amx": ("-march=x86-64-v3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"),
     "avx512-vnni": ("-march=x86-64-v3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
     "avx2": ("-march=x86-64-v3",),
     "portable": ("-march=x86-64", "-DSD_PORTABLE"),

@@ -6,7 +6,7 @@ It also runs w8a16 (projection.W8A16Projection): the same packed int8 weights ti
 quantized per row to ~15-bit integers, summed exactly in int32 (the C file states why), with the
 w8a8 epilogue.
 
-The source is built for one instruction set of cpu.KERNEL_ISAS (AVX512-VNNI, AVX2, portable C),
+The source is built for one instruction set of cpu.KERNEL_ISAS (AMX, AVX512-VNNI, AVX2, portable C),
 which cpu.kernel_isa chooses once per process from the CPU's flags, or SPECDECODE_KERNEL_ISA
 forces. Every build gives the same bits (integer sums, then the same float32 operations in the
 same order; tests/kernels/test_w8a8.py compares them on a CPU that runs all of them).
@@ -69,6 +69,8 @@ class Int8Kernel:
             function.restype = ctypes.c_int
         library.sd_kernel_isa.restype = ctypes.c_char_p
         self.isa = library.sd_kernel_isa().decode()  # the instruction set its inner loops were built for
+        # the AMX build: whether the OS handed this process the tiles (else its vpdpbusd items run)
+        self.tiles = self.isa == "amx" and bool(library.sd_tiles_granted())
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:  # [n, in]

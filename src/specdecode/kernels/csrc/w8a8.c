@@ -18,8 +18,9 @@
  *
  * The same packed weights also multiply 16-bit activations (w8a16, at the end of this file).
  *
- * One source, three builds (native.py compiles each into a library of its own; cpu.kernel_isa
+ * One source, four builds (native.py compiles each into a library of its own; cpu.kernel_isa
  * chooses one at run time), each section below one instruction set's inner loops:
+ *   AMX          (AVX512-VNNI's, with AMX-INT8): products of many rows as tile multiplies (tdpbusd)
  *   AVX512-VNNI  (-march=native on a CPU with it): vpdpbusd on the uint8 codes, 64 bytes an instruction
  *   AVX2         (-march=x86-64-v3): vpmaddubsw then vpmaddwd (w8a8), vpmaddwd on int16 codes (w8a16)
  *   portable     (-DSD_PORTABLE, or any other CPU): plain C, vectorized as the compiler can
@@ -37,7 +38,12 @@
 #define SD_ISA "portable"
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define SD_AVX512_VNNI 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(SD_NO_AMX)
+#define SD_AMX 1
+#define SD_ISA "amx"
+#else
 #define SD_ISA "avx512-vnni"
+#endif
 #elif defined(__AVX2__)
 #define SD_AVX2 1
 #define SD_ISA "avx2"
@@ -266,7 +272,7 @@ static inline __attribute__((always_inline)) void tile_sums16(const Product *p, 
 }
 
 /* the epilogue of a tile's exact integer sums (acc: rows x GROUP, compensation already taken off) */
-static void product_tile(const Product *p, int64_t g, int64_t r0, int rows, __m512i acc[ROW_TILE][4]) {
+static void product_tile(const Product *p, int64_t g, int64_t r0, int rows, __m512i acc[][4]) {
     for (int b = 0; b < 4; b++) {
         int64_t c = g * GROUP + b * 16;
         if (c >= p->m) break;
@@ -317,6 +323,9 @@ static void product_item16(const Product *p, int64_t g, int64_t r0) {
     product_tile(p, g, r0, rows, sums);
 }
 
+#if defined(SD_AMX)
+#include "w8a8_amx.h"
+#else
 static int row_tile(const Product *p) { return p->lo ? ROW_TILE16 : ROW_TILE; }
 
 static void product_item(const Product *p, int64_t g, int64_t r0) {
@@ -325,6 +334,10 @@ static void product_item(const Product *p, int64_t g, int64_t r0) {
     else
         product_item8(p, g, r0);
 }
+
+static void begin_items(const Product *p) { (void)p; }
+static void end_items(void) {}
+#endif
 
 /* ======================= AVX2: 8 lanes, vpmaddubsw and vpmaddwd =======================
  *
@@ -535,6 +548,8 @@ static void prepare_row(const Product *p, int64_t r) {
 }
 
 static int row_tile(const Product *p) { return (void)p, ROWS_AVX2; }
+static void begin_items(const Product *p) { (void)p; }
+static void end_items(void) {}
 
 static void product_item(const Product *p, int64_t g, int64_t r0) {
     __m256i sums[8];
@@ -591,6 +606,8 @@ static void epilogue_block(int dtype, const float *sums, float scale, const void
 }
 
 static int row_tile(const Product *p) { return (void)p, 1; }
+static void begin_items(const Product *p) { (void)p; }
+static void end_items(void) {}
 
 static inline int32_t signed_code(const Product *p, int64_t i) { /* i: element of the codes [n, k] */
     return p->lo ? (p->codes[i] - ZERO_POINT) * 256 + p->lo[i] : p->codes[i] - ZERO_POINT;
@@ -671,8 +688,10 @@ static int parallel_product(const Product *p, int threads) {
 /* group-major work items: a thread's consecutive items share a group's weights (in a parallel region) */
 static void product_items(const Product *p) {
     int64_t groups = (p->m + GROUP - 1) / GROUP, t = tiles(p);
+    begin_items(p); /* this thread's tiles (AMX) */
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < groups * t; w++) product_item(p, w / t, (w % t) * row_tile(p));
+    end_items();
 }
 
 /* what a fused call quantizes: x [n, k] of dtype, rows row_stride elements apart, into codes (and
