@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
+import platform
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -75,8 +77,26 @@ def has_avx512() -> bool:
 
 
 def runnable_kernel_isas() -> tuple[str, ...]:
-    """The builds of the int8 kernels this CPU runs, fastest first (portable always)."""
-    return tuple(isa for isa, needs in KERNEL_ISAS.items() if needs <= cpu_flags())
+    """The builds of the int8 kernels this CPU runs, fastest first (portable always); the AMX
+    build only where the OS hands this process the tiles."""
+    flags = cpu_flags()
+    return tuple(isa for isa, needs in KERNEL_ISAS.items() if needs <= flags and (isa != "amx" or amx_tiles_granted()))
+
+
+def amx_tiles_granted() -> bool:
+    """Whether Linux hands this process AMX's tile state, which a process must ask for before its
+    first tile instruction (a kernel without that request, before Linux 5.16, never does)."""
+    return {"amx_tile", "amx_int8"} <= cpu_flags() and _request_tiles()
+
+
+@functools.cache
+def _request_tiles() -> bool:  # once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # 158: SYS_arch_prctl
+    except (OSError, AttributeError):
+        return False
 
 
 def kernel_isa() -> str:

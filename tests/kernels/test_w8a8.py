@@ -298,10 +298,10 @@ def c_kernel(request) -> int8_kernel.Int8Kernel:
 
 @pytest.mark.skipif("amx" not in kernel_isas(), reason="this CPU has no AMX-INT8")
 def test_the_amx_build_multiplies_on_tiles():
-    """The OS hands the process AMX's tiles (Linux asks for a request first), so the AMX build's
+    """Where the AMX build runs (cpu.amx_tiles_granted), its library got the tiles too, so its
     products of 8 rows or more are tile multiplies, and the comparisons of the builds' bits above
     and below compare the tiles' sums, not its vpdpbusd items again."""
-    assert int8_kernel.load("amx").tiles
+    assert cpu.amx_tiles_granted() and int8_kernel.load("amx").tiles
     assert not int8_kernel.load("avx512-vnni").tiles
 
 
@@ -556,13 +556,18 @@ def test_greedy_output_is_the_same_with_every_build(model):
 
 
 def test_the_build_is_chosen_from_the_cpu_flags_and_the_variable(monkeypatch, caplog):
-    """AMX where the CPU has AMX-INT8 (and AVX512-VNNI), else AVX512-VNNI where it has it, else
+    """AMX where the CPU has AMX-INT8 (and AVX512-VNNI) and the OS grants the tiles, else
+    AVX512-VNNI where it has it, else
     AVX2 where it has x86-64-v3, else portable C; SPECDECODE_KERNEL_ISA forces a build this CPU
     runs, and a build it does not run (its code would die of SIGILL) is refused with a warning."""
     every = cpu.KERNEL_ISAS["amx"] | cpu.KERNEL_ISAS["avx2"]
     monkeypatch.delenv(cpu.KERNEL_ISA_VARIABLE, raising=False)
     monkeypatch.setattr(cpu, "cpu_flags", lambda: every)
+    monkeypatch.setattr(cpu, "_request_tiles", lambda: True)
     assert cpu.runnable_kernel_isas() == ("amx", "avx512-vnni", "avx2", "portable") and cpu.kernel_isa() == "amx"
+    monkeypatch.setattr(cpu, "_request_tiles", lambda: False)  # an OS that keeps the tiles to itself
+    assert cpu.runnable_kernel_isas() == ("avx512-vnni", "avx2", "portable") and cpu.kernel_isa() == "avx512-vnni"
+    monkeypatch.setattr(cpu, "_request_tiles", lambda: True)
     monkeypatch.setattr(cpu, "cpu_flags", lambda: every - {"amx_int8"})
     assert cpu.runnable_kernel_isas() == ("avx512-vnni", "avx2", "portable") and cpu.kernel_isa() == "avx512-vnni"
     monkeypatch.setenv(cpu.KERNEL_ISA_VARIABLE, "AVX2")
