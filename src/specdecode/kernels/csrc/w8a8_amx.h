@@ -86,14 +86,18 @@ static void add_quads(const Product *p, const uint8_t *a, const int8_t *w, int r
         }
 }
 
-/* w8a8: rows (up to 16) x the group's 64 columns; tiles 0-3 sum blocks 0-3, 4 holds A, 6-7 B (two
- * B tiles taking turns measured faster than three, or than two steps' A and B tiles in turn) */
-static void tile_sums_amx(const Product *p, const int8_t *w, const uint8_t *a, int rows, __m512i sums[AMX_ROWS][4]) {
-    int64_t steps = p->k4 / AMX_QUADS, stride = p->k4 * 4;
+static inline void zero_sums(void) { /* tiles 0-3: the four sums of an item */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+}
+
+/* w8a8: rows (up to 16) x the group's 64 columns; tiles 0-3 sum blocks 0-3, 4 holds A, 6-7 B (two
+ * B tiles taking turns measured faster than three, or than two steps' A and B tiles in turn) */
+static void tile_sums_amx(const Product *p, const int8_t *w, const uint8_t *a, int rows, __m512i sums[AMX_ROWS][4]) {
+    int64_t steps = p->k4 / AMX_QUADS, stride = p->k4 * 4;
+    zero_sums();
     for (int64_t s = 0; s < steps; s++) {
         const int8_t *ws = w + s * AMX_STEP;
         prefetch_step(ws + AMX_STEP);
@@ -119,10 +123,7 @@ static void tile_sums_amx(const Product *p, const int8_t *w, const uint8_t *a, i
 static void tile_sums16_amx(const Product *p, const int8_t *w, const uint8_t *hi, const uint8_t *lo, int rows, int h,
                             __m512i high[AMX_ROWS][4], __m512i low[AMX_ROWS][4]) {
     int64_t steps = p->k4 / AMX_QUADS, stride = p->k4 * 4;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sums();
     for (int64_t s = 0; s < steps; s++) {
         const int8_t *ws = w + s * AMX_STEP + h * 128;
         if (!h) prefetch_step(ws + AMX_STEP); /* the second half finds the step in cache */
