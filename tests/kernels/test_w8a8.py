@@ -299,7 +299,7 @@ def c_kernel(request) -> int8_kernel.Int8Kernel:
 @pytest.mark.skipif("amx" not in kernel_isas(), reason="this CPU has no AMX-INT8")
 def test_the_amx_build_multiplies_on_tiles():
     """Where the AMX build runs (cpu.amx_tiles_granted), its library got the tiles too, so its
-    products of 8 rows or more are tile multiplies, and the comparisons of the builds' bits above
+    products of 4 rows or more are tile multiplies, and the comparisons of the builds' bits above
     and below compare the tiles' sums, not its vpdpbusd items again."""
     assert cpu.amx_tiles_granted() and int8_kernel.load("amx").tiles
     assert not int8_kernel.load("avx512-vnni").tiles
@@ -490,7 +490,7 @@ def differing_products(build: int8_kernel.Int8Kernel, reference: int8_kernel.Int
 @several_builds
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_build_writes_the_bits_of_the_fastest(dtype):
-    """Every build against the fastest this CPU runs (AMX's, whose products of 8 rows or more are
+    """Every build against the fastest this CPU runs (AMX's, whose products of 4 rows or more are
     tile multiplies, or AVX512-VNNI's)."""
     fastest, *others = kernel_isas()
     for isa in others:

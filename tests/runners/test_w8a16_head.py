@@ -277,7 +277,7 @@ several_builds = pytest.mark.skipif(
 @several_builds
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_build_writes_the_head_s_bits_of_the_fastest(dtype):
-    """w8a16 products of every build against the fastest's (AMX's tiles from 8 rows on): the quantization's
+    """w8a16 products of every build against the fastest's (AMX's tiles from 4 rows on): the quantization's
     bytes and scales, the product in one call and after it; awkward rows (zeros, denormal and huge
     scales, exact halves at the largest code, a NaN, an infinity), 1 to 40 rows, last groups of 1 to
     63 columns, inputs that are no multiple of 8 or 16, and more inputs than the full 16383 allows."""
