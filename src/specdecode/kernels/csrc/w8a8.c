@@ -287,6 +287,19 @@ static void product_tile(const Product *p, int64_t g, int64_t r0, int rows, __m5
     }
 }
 
+/* a tile's exact sums, in sums: less the compensation (w8a8), or the w8a16 sum of both byte
+ * halves, 256 * (S_hi - compensation) + S_lo, in int32 that wraps: exact (sums holds S_hi) */
+static void take_compensation(const Product *p, int64_t g, int rows, __m512i sums[][4], __m512i low[][4]) {
+    for (int b = 0; b < 4 && g * GROUP + b * 16 < p->m; b++) {
+        int64_t c = g * GROUP + b * 16;
+        __m512i compensation = _mm512_maskz_loadu_epi32(tail_mask(p->m - c), p->compensation + c);
+        for (int r = 0; r < rows; r++) {
+            __m512i s = _mm512_sub_epi32(sums[r][b], compensation);
+            sums[r][b] = low ? _mm512_add_epi32(_mm512_slli_epi32(s, 8), low[r][b]) : s;
+        }
+    }
+}
+
 static void product_item8(const Product *p, int64_t g, int64_t r0) {
     __m512i sums[ROW_TILE][4];
     int rows = (int)min64(p->n - r0, ROW_TILE);
@@ -298,29 +311,20 @@ static void product_item8(const Product *p, int64_t g, int64_t r0) {
     case 2: tile_sums(p, g, r0, 2, sums); break;
     default: tile_sums(p, g, r0, 1, sums); break;
     }
-    for (int b = 0; b < 4 && g * GROUP + b * 16 < p->m; b++) {
-        int64_t c = g * GROUP + b * 16;
-        __m512i compensation = _mm512_maskz_loadu_epi32(tail_mask(p->m - c), p->compensation + c);
-        for (int r = 0; r < rows; r++) sums[r][b] = _mm512_sub_epi32(sums[r][b], compensation);
-    }
+    take_compensation(p, g, rows, sums, NULL);
     product_tile(p, g, r0, rows, sums);
 }
 
 static void product_item16(const Product *p, int64_t g, int64_t r0) {
-    __m512i high[ROW_TILE16][4], low[ROW_TILE16][4], sums[ROW_TILE][4];
+    __m512i high[ROW_TILE16][4], low[ROW_TILE16][4];
     int rows = (int)min64(p->n - r0, ROW_TILE16);
     switch (rows) { /* a constant row count per case: the sums stay in registers */
     case 3: tile_sums16(p, g, r0, 3, high, low); break;
     case 2: tile_sums16(p, g, r0, 2, high, low); break;
     default: tile_sums16(p, g, r0, 1, high, low); break;
     }
-    for (int b = 0; b < 4 && g * GROUP + b * 16 < p->m; b++) {
-        int64_t c = g * GROUP + b * 16;
-        __m512i compensation = _mm512_maskz_loadu_epi32(tail_mask(p->m - c), p->compensation + c);
-        for (int r = 0; r < rows; r++) /* 256 * (S_hi - compensation) + S_lo, wrapping: exact */
-            sums[r][b] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(high[r][b], compensation), 8), low[r][b]);
-    }
-    product_tile(p, g, r0, rows, sums);
+    take_compensation(p, g, rows, high, low);
+    product_tile(p, g, r0, rows, high);
 }
 
 #if defined(SD_AMX)

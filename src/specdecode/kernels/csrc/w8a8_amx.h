@@ -156,15 +156,7 @@ static void product_item_amx(const Product *p, int64_t g, int64_t r0) {
     } else {
         tile_sums_amx(p, w, a, rows, sums);
     }
-    for (int b = 0; b < 4 && g * GROUP + b * 16 < p->m; b++) {
-        int64_t c = g * GROUP + b * 16;
-        __m512i compensation = _mm512_maskz_loadu_epi32(tail_mask(p->m - c), p->compensation + c);
-        for (int r = 0; r < rows; r++) {
-            __m512i s = _mm512_sub_epi32(sums[r][b], compensation);
-            /* w8a16: 256 * (S_hi - compensation) + S_lo, wrapping: exact (as product_item16) */
-            sums[r][b] = p->lo ? _mm512_add_epi32(_mm512_slli_epi32(s, 8), low[r][b]) : s;
-        }
-    }
+    take_compensation(p, g, rows, sums, p->lo ? low : NULL);
     product_tile(p, g, r0, rows, sums);
 }
 
