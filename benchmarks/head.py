@@ -34,6 +34,7 @@ the scripts); each cell sums tokens and seconds over the prompts and seeds.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import Counter
@@ -46,7 +47,7 @@ from specdecode.bench.prompts import OPEN_CHAT_PROMPTS, load_prompts, select_pro
 from specdecode.bench.scripts import script_parser, write_table
 from specdecode.drafters.auto import candidates_of
 from specdecode.drafters.factory import DrafterOptions, make_drafter
-from specdecode.drafters.head import HeadDrafter, drafting_kind, for_drafting, load_head
+from specdecode.drafters.head import HeadCache, HeadDrafter, drafting_kind, for_drafting, load_head
 from specdecode.loading import DEFAULT_TARGET
 
 NO_CACHE = CacheOptions(response_cache=False, draft_store=False, prefix_cache=False)
@@ -86,11 +87,13 @@ def systems(
 
 
 def products(args) -> str:
-    """Milliseconds of the head's forward (rows after 200 cached ones) and of its logits."""
+    """Milliseconds of the head's forward (rows after 200 cached ones) and of its logits: the
+    trained module, and for_drafting's copies with the layer on torch operations and in C."""
     base = engine_for(args)
     trained = load_head(args.head, base.target_runner.model)
-    fast = for_drafting(trained)
-    heads = {"nn.Linear (float32)": trained, f"for_drafting ({drafting_kind(fast)})": fast}
+    copies = [for_drafting(trained, layer_in_c=False), for_drafting(trained)]
+    heads = {"nn.Linear (float32)": trained}
+    heads.update({f"for_drafting ({drafting_kind(fast)})": fast for fast in copies})
     c = trained.config
     lines = [
         f"Head forward and logits, ms (medians of 100, interleaved), {torch.get_num_threads()} threads, {cpu_name()}; "
@@ -103,12 +106,17 @@ def products(args) -> str:
         for rows in (1, 4, 16):
             features, tokens = torch.randn(rows, c.hidden_size), torch.randint(0, c.target_vocab_size, (rows,))
             positions, mask = torch.arange(200, 200 + rows), torch.ones(rows, 200 + rows, dtype=torch.bool)
-            past = (torch.randn(c.num_kv_heads, 200, c.head_dim), torch.randn(c.num_kv_heads, 200, c.head_dim))
+            cache = HeadCache(c)
+            cache.append(torch.randn(c.num_kv_heads, 200, c.head_dim), torch.randn(c.num_kv_heads, 200, c.head_dim))
             times: dict[str, list[list[float]]] = {name: [[], []] for name in heads}
             for _ in range(110):
                 for name, head in heads.items():
+                    cache.length = 200
                     start = time.perf_counter()
-                    g = head(features, tokens, positions, past, mask)[0]
+                    if head is trained:
+                        g = head(features, tokens, positions, cache.past(), mask)[0]
+                    else:
+                        g = head.draft_forward(features, tokens, positions, cache, mask)
                     middle = time.perf_counter()
                     head.logits(g)
                     times[name][0].append(middle - start)
@@ -168,15 +176,15 @@ def draft_cost(args) -> str:
         "| head drafts (k = 4 pinned) | ms per drafted token | x a target-only token | tokens per target forward |",
         "|---|---|---|---|",
     ]
-    for tree in (False, True):
-        drafter = _TimedHead(head, tree=tree)
+    for tree, layer_in_c in itertools.product((False, True), (False, True)):
+        drafter = _TimedHead(head, tree=tree, fast=for_drafting(head, layer_in_c))
         view = base.with_drafter(drafter, 4, adaptive=False)
         view.generate(DRAFT_COST_PROMPTS[0], max_new_tokens=16, chat=True)
         drafter.spent[:] = [0.0, 0]
         results = [view.generate(p, max_new_tokens=args.max_new_tokens, chat=True)[0] for p in DRAFT_COST_PROMPTS]
         per_draft = drafter.spent[0] / max(drafter.spent[1], 1)
         tokens = statistics.mean(r.stats.mean_accepted_length for r in results)
-        kind = "trees" if tree else "chains"
+        kind = ("trees" if tree else "chains") + (", layer in C" if drafter.fast.kernel_layer else ", layer on torch")
         lines.append(f"| {kind} | {per_draft * 1e3:.3f} | {per_draft / step * 100:.1f}% | {tokens:.2f} |")
     return "\n".join(lines) + "\n"
 

@@ -54,6 +54,7 @@ from specdecode.drafters.factory import drafter_identity
 from specdecode.drafters.head import (
     HEAD_CONFIG,
     HEAD_WEIGHTS,
+    HeadCache,
     HeadDrafter,
     drafting_kind,
     for_drafting,
@@ -65,6 +66,7 @@ from specdecode.drafters.head import (
     shipped_head,
     target_fingerprint,
 )
+from specdecode.drafters.head_kernel import attention_plan
 from specdecode.errors import InvalidArgumentError
 from specdecode.runners import HFModelRunner
 from specdecode.runners.fast_llama import FastLlamaRunner
@@ -118,26 +120,69 @@ def tiny():
 
 def test_the_drafting_copy_leaves_the_trained_head_alone_and_computes_its_logits(tiny):
     """for_drafting (what HeadDrafter drafts with): the trained module keeps its nn.Linear weights
-    (training and saving use it); the copy's products (w8a16 where the kernel runs, else float32
-    on oneDNN) give the trained head's logits within int8 weights' error, the same bits each call."""
+    (training and saving use it); the copy (its layer in one C call where the C layers run, w8a16
+    products where the kernel runs, else float32 on oneDNN) gives the trained head's logits within
+    8-bit error, the same bits each call."""
     _, _, head, _, _ = tiny
     before = {name: value.clone() for name, value in head.state_dict().items()}
     fast = for_drafting(head)
-    assert isinstance(head.layer.gate, torch.nn.Linear) and head.rows_product is None
+    assert isinstance(head.layer.gate, torch.nn.Linear) and head.rows_product is None and head.kernel_layer is None
     assert all(torch.equal(before[name], value) for name, value in head.state_dict().items())
-    assert not isinstance(fast.layer.gate, torch.nn.Linear) and fast.rows_product is not None
+    assert fast.rows_product is not None and (fast.kernel_layer is not None or fast.layer.gate_up is not None)
     c = head.config
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(5, c.hidden_size, generator=generator)
     tokens = torch.randint(0, c.target_vocab_size, (5,), generator=generator)
     with torch.inference_mode():
         exact = head.logits(head(features, tokens, torch.arange(5), None, None)[0])
-        drafted = [fast.logits(fast(features, tokens, torch.arange(5), None, None)[0]) for _ in range(2)]
+        drafted = [
+            fast.logits(fast.draft_forward(features, tokens, torch.arange(5), HeadCache(c), None)) for _ in range(2)
+        ]
     assert torch.equal(drafted[0], drafted[1])
     error = ((drafted[0] - exact).norm() / exact.norm()).item()
     limit = 1e-4 if drafting_kind(fast) == "float32" else 0.05  # w8a16 wherever some product is
     assert error < limit, (drafting_kind(fast), error)
     assert error > 0 or drafting_kind(fast) == "float32", "a w8a16 copy that computes the float32 logits is not w8a16"
+
+
+def test_a_mask_becomes_the_tree_kernels_plan():
+    """attention_plan (the head's C layer): the leading run of seen positions, then the others."""
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[:, :4] = True  # four rows from the target's features
+    mask[0, 4] = mask[1, [4, 5]] = mask[2, [4, 6]] = True  # a node, its child, and another child of it
+    contiguous, extra = attention_plan(mask, 4, 3)
+    assert contiguous.tolist() == [5, 6, 5] and extra.tolist() == [[-1], [-1], [6]]
+    contiguous, extra = attention_plan(None, 4, 3)  # causal
+    assert contiguous.tolist() == [5, 6, 7] and extra.shape == (3, 0)
+
+
+def test_the_heads_c_layer_runs_a_tree_level_as_each_path_alone(tiny):
+    """Where the head's layer runs in C, a level of tree nodes (each attending to the target-feature
+    rows, its ancestors and itself) gives each node the bits of its path run as a chain after those
+    rows; negative control: a node that also sees its sibling gets other bits."""
+    fast = for_drafting(tiny[2])
+    if fast.kernel_layer is None:
+        pytest.skip("the C decoder layers do not run here")
+    c = fast.config
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(6, c.hidden_size, generator=generator)
+    tokens = torch.randint(0, c.target_vocab_size, (6,), generator=generator)
+
+    def run(rows: list[int], positions: list[int], mask: torch.Tensor | None, prefix: int = 3) -> torch.Tensor:
+        cache = HeadCache(c)
+        fast.draft_forward(features[:prefix], tokens[:prefix], torch.arange(prefix), cache, None)
+        return fast.draft_forward(features[rows], tokens[rows], torch.tensor(positions), cache, mask)
+
+    with torch.inference_mode():
+        # rows 3 and 4 are children of the last feature row, row 5 a child of row 3
+        tree = torch.zeros(3, 6, dtype=torch.bool)
+        tree[:, :3] = True
+        tree[0, 3] = tree[1, 4] = tree[2, [3, 5]] = True
+        level = run([3, 4, 5], [3, 3, 4], tree)
+        paths = [run([3], [3], None)[0], run([4], [3], None)[0], run([3, 5], [3, 4], None)[1]]
+        assert all(torch.equal(level[i], path) for i, path in enumerate(paths))
+        tree[1, 3] = True  # the second child sees the first: not its path
+        assert not torch.equal(run([3, 4, 5], [3, 3, 4], tree)[1], paths[1])
 
 
 def test_a_trained_head_is_accepted_more_often_than_an_untrained_one(tiny):

@@ -56,8 +56,10 @@ from transformers import PreTrainedModel
 
 from specdecode.core.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.head_kernel import KernelLayer, kernel_layer
 from specdecode.drafters.tree import TreeBuilder
 from specdecode.errors import InvalidArgumentError
+from specdecode.kernels import int8_layer
 from specdecode.runners.cached import common_prefix_length
 from specdecode.runners.projection import W8A16Projection, own_kernel, projection, w8a16_projection
 
@@ -215,6 +217,7 @@ class DraftHead(nn.Module):
             self.feature_norm = nn.Parameter(torch.ones(hidden))
         self.layer = HeadLayer(config)
         self.rows_product: Callable[[torch.Tensor], torch.Tensor] | None = None  # for_drafting's head rows
+        self.kernel_layer: KernelLayer | None = None  # for_drafting's layer in C (drafters/head_kernel.py)
         self.token_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None  # read_embeddings_from
 
     def read_embeddings_from(self, embedding: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -238,12 +241,30 @@ class DraftHead(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor] | None,  # keys, values [kv heads, c, head_dim]
         mask: torch.Tensor | None,  # [n, c + n] bool, True: attends; None: causal over the n rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # g [n, hidden], keys, values [kv, n, d]
+        return self.layer(self._mix(features, tokens), positions, past, mask)
+
+    def draft_forward(
+        self,
+        features: torch.Tensor,  # [n, hidden], as forward's
+        tokens: torch.Tensor,  # [n] int64
+        positions: torch.Tensor,  # [n] int64
+        cache: HeadCache,  # the rows before these: their keys and values are appended to it
+        mask: torch.Tensor | None,  # [n, cache.length + n] bool; None: causal
+    ) -> torch.Tensor:  # g [n, hidden]
+        """forward for drafting, on the C layer where for_drafting made one."""
+        x = self._mix(features, tokens)
+        if self.kernel_layer is not None:
+            return self.kernel_layer(x, positions, cache, mask)
+        g, keys, values = self.layer(x, positions, cache.past(), mask)
+        cache.append(keys, values)
+        return g
+
+    def _mix(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # the layer's input [n, hidden]
         embedded = (self.embed[tokens] if self.token_embedding is None else self.token_embedding(tokens)).float()
         if self.config.input_norms:
             eps = self.config.rms_norm_eps
             embedded, features = _rms_norm(embedded, self.embed_norm, eps), _rms_norm(features, self.feature_norm, eps)
-        x = self.fc(torch.cat([embedded, features], dim=-1))
-        return self.layer(x, positions, past, mask)
+        return self.fc(torch.cat([embedded, features], dim=-1))
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:  # [n, draft vocab]
         """Over the head's vocabulary, through the target's final norm."""
@@ -269,6 +290,10 @@ class HeadLayer(nn.Module):
         self.down = nn.Linear(config.intermediate_size, hidden, bias=False)
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # for_drafting's products of q|k|v and gate|up, each one call instead of three and two
+        # (a head forward of a few rows is mostly per-call cost); None on the trained layer
+        self.qkv: nn.Module | None = None
+        self.gate_up: nn.Module | None = None
 
     def forward(
         self,
@@ -279,9 +304,10 @@ class HeadLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c, n = self.config, x.shape[0]
         h = _rms_norm(x, self.attn_norm, c.rms_norm_eps)
-        q = self.q(h).view(n, c.num_heads, c.head_dim).transpose(0, 1)  # [heads, n, d]
-        k = self.k(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)  # [kv, n, d]
-        v = self.v(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        q, k, v = self._qkv(h)
+        q = q.reshape(n, c.num_heads, c.head_dim).transpose(0, 1)  # [heads, n, d]
+        k = k.reshape(n, c.num_kv_heads, c.head_dim).transpose(0, 1)  # [kv, n, d]
+        v = v.reshape(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
         cos, sin = self._rotation(positions)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         keys = k if past is None else torch.cat([past[0], k], dim=1)
@@ -291,7 +317,19 @@ class HeadLayer(nn.Module):
         out = _grouped_attention(q, keys, values, mask)  # [heads, n, d]
         x = x + self.o(out.transpose(0, 1).reshape(n, -1))
         m = _rms_norm(x, self.mlp_norm, c.rms_norm_eps)
-        return x + self.down(F.silu(self.gate(m)) * self.up(m)), k, v
+        if self.gate_up is None:
+            gate, up = self.gate(m), self.up(m)
+        else:
+            gate, up = self.gate_up(m).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up), k, v
+
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:  # q [n, heads * d], k and v [n, kv * d]
+        if self.qkv is None:
+            return self.q(h), self.k(h), self.v(h)
+        c = self.config
+        return self.qkv(h).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1
+        )
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [n, d]
         """Rotary cos and sin at positions, from a table computed once per length (a head
@@ -357,17 +395,23 @@ def drafting_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Ten
 
 
 def drafting_kind(fast: DraftHead) -> str:
-    """What a for_drafting copy's products are ("w8a16", "float32", or both where the kernel
-    packs some shapes and not others): HeadDrafter.cache_identity names it."""
+    """What a for_drafting copy computes with ("w8a16", "float32", or both where the kernel
+    packs some shapes and not others; and the C layer's identity where its layer runs there):
+    HeadDrafter.cache_identity names it."""
     products = [m.product for m in fast.modules() if isinstance(m, _Product)] + [fast.rows_product]
-    return "+".join(sorted({"w8a16" if isinstance(p, W8A16Projection) else "float32" for p in products}))
+    kinds = {"w8a16" if isinstance(p, W8A16Projection) else "float32" for p in products}
+    if fast.kernel_layer is not None:
+        kinds.add(int8_layer.kernel_identity())
+    return "+".join(sorted(kinds))
 
 
-def for_drafting(head: DraftHead) -> DraftHead:
-    """A frozen copy of head that drafts several times faster: every product on drafting_product
-    (nn.Linear's float32 products make a one-row head forward several times slower:
-    benchmarks/results/draft-head-products.md). The trained head is left as it
-    is (training and saving use it); the frozen buffers are shared."""
+def for_drafting(head: DraftHead, layer_in_c: bool = True) -> DraftHead:
+    """A frozen copy of head that drafts several times faster: its layer in one C call where the
+    C decoder layers run (drafters/head_kernel.py), else on drafting_product, and the other
+    products on drafting_product (nn.Linear's float32 products make a one-row head forward several
+    times slower: benchmarks/results/draft-head-products.md). The trained head is left as it
+    is (training and saving use it); the frozen buffers are shared. layer_in_c=False keeps the
+    layer on torch operations (benchmarks/head.py compares the two)."""
     fast = copy.copy(head)  # a shallow copy: its own module table below, the buffers shared
     fast._modules = dict(head._modules)
     fast._parameters = {name: nn.Parameter(p.detach().clone(), False) for name, p in head._parameters.items()}
@@ -377,13 +421,24 @@ def for_drafting(head: DraftHead) -> DraftHead:
         name: nn.Parameter(p.detach().clone(), False) for name, p in head.layer._parameters.items()
     }
     with torch.no_grad():
-        for module, names in ((fast, ("fuse", "fc")), (fast.layer, ("q", "k", "v", "o", "gate", "up", "down"))):
-            for name in names:
-                linear = getattr(module, name)
-                if linear is not None:
-                    setattr(module, name, _Product(linear.weight))
+        for name in ("fuse", "fc"):
+            if getattr(fast, name) is not None:
+                setattr(fast, name, _Product(getattr(fast, name).weight))
         fast.rows_product = drafting_product(head.head_rows)
+    fast.kernel_layer = kernel_layer(head.layer, fast.layer._rotation) if layer_in_c else None
+    if fast.kernel_layer is None:
+        _drafting_layer(fast.layer, head.layer)
     return fast.eval()
+
+
+@torch.no_grad()
+def _drafting_layer(fast: HeadLayer, trained: HeadLayer) -> None:
+    """fast (a copy of trained) on drafting products, q|k|v and gate|up fused (w8a16 codes and
+    scales are per output channel: fused, the same bits)."""
+    for name in ("o", "down"):
+        setattr(fast, name, _Product(getattr(trained, name).weight))
+    fast.qkv = _Product(torch.cat([trained.q.weight, trained.k.weight, trained.v.weight]))
+    fast.gate_up = _Product(torch.cat([trained.gate.weight, trained.up.weight]))
 
 
 def new_head(model: PreTrainedModel, config: HeadConfig, vocabulary: torch.Tensor, seed: int) -> DraftHead:
@@ -489,22 +544,32 @@ def head_digest(head: DraftHead) -> str:
     return digest.hexdigest()
 
 
-class _HeadCache:
-    """The head's keys and values [kv heads, length, head_dim], grown by doubling; a crop sets length."""
+class HeadCache:
+    """The head's keys and values [kv heads, capacity, head_dim], grown by doubling; a crop sets
+    length. A list of one layer's each, as the C layer takes a cache (head_kernel.LayerCache)."""
 
     def __init__(self, config: HeadConfig, capacity: int = 256):
         shape = (config.num_kv_heads, capacity, config.head_dim)
-        self.keys, self.values, self.length = torch.empty(shape), torch.empty(shape), 0
+        self.keys, self.values, self.length = [torch.empty(shape)], [torch.empty(shape)], 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
 
     def past(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, : self.length], self.values[:, : self.length]
+        return self.keys[0][:, : self.length], self.values[0][:, : self.length]
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more rows."""
+        end = self.length + rows
+        if end > self.capacity:
+            self.keys, self.values = ([_grown(t[0], self.length, end)] for t in (self.keys, self.values))
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:  # [kv, n, d]
+        self.reserve(keys.shape[1])
         end = self.length + keys.shape[1]
-        if end > self.keys.shape[1]:
-            self.keys, self.values = (_grown(t, self.length, end) for t in (self.keys, self.values))
-        self.keys[:, self.length : end] = keys
-        self.values[:, self.length : end] = values
+        self.keys[0][:, self.length : end] = keys
+        self.values[0][:, self.length : end] = values
         self.length = end
 
 
@@ -552,7 +617,7 @@ class HeadDrafter(Drafter):
         c = self.head.config
         self._features = torch.empty(0, len(c.feature_layers), c.hidden_size)  # [positions, layers, hidden]
         self._known = 0  # positions whose target features have been delivered
-        self._cache = _HeadCache(c)
+        self._cache = HeadCache(c)
         self._rows_tokens: list[int] = []  # the tokens the cache's rows were computed from
         self._true = 0  # leading cache rows computed from target features (the rest: a draft)
 
@@ -596,8 +661,7 @@ class HeadDrafter(Drafter):
         rows = torch.arange(keep, n - 1)
         features = self.fast.features(self._features[keep : n - 1])
         tokens = torch.tensor(token_ids[keep + 1 : n], dtype=torch.long)
-        g, keys, values = self.fast(features, tokens, rows, self._cache.past(), None)
-        self._cache.append(keys, values)
+        g = self.fast.draft_forward(features, tokens, rows, self._cache, None)
         self._rows_tokens, self._true = list(token_ids), n - 1
         return g[-1:]
 
@@ -613,8 +677,7 @@ class HeadDrafter(Drafter):
             probs.append(q)
             if i + 1 < k:
                 row = torch.tensor([tokens[-1]])
-                g, keys, values = self.fast(g, row, torch.tensor([position]), self._cache.past(), None)
-                self._cache.append(keys, values)
+                g = self.fast.draft_forward(g, row, torch.tensor([position]), self._cache, None)
                 position += 1
         return Draft(torch.tensor(tokens, dtype=torch.long), None if params.greedy else torch.stack(probs))
 
@@ -627,7 +690,7 @@ class HeadDrafter(Drafter):
     def _tree(self, token_ids: list[int], g_root: torch.Tensor, k: int) -> Draft:
         """Up to k nodes (module docstring): one head forward per level, over the nodes it expands."""
         offered: list[_Node] = []
-        frontier = self._offer(None, g_root[0], offered)
+        frontier = self._offer([None], g_root, offered)
         true_rows = self._cache.length
         for _ in range(k - 1):  # no node deeper than k can be among the k most likely
             cutoff = heapq.nlargest(k, offered)[-1] if len(offered) >= k else None
@@ -635,16 +698,17 @@ class HeadDrafter(Drafter):
             if not expand:
                 break
             outputs = self._expand(expand, g_root[0], len(token_ids) - 2, true_rows)
-            frontier = [child for node, g in zip(expand, outputs) for child in self._offer(node, g, offered)]
+            frontier = self._offer(expand, outputs, offered)
         chosen = sorted(heapq.nlargest(k, offered), reverse=True)  # most likely first: parents before children
         builder, placed = TreeBuilder(k), {}
         for node in chosen:
             placed[node.order] = builder.child(-1 if node.parent is None else placed[node.parent.order], node.token)
         return builder.draft()
 
-    def _expand(self, nodes: list[_Node], g_root: torch.Tensor, root_row: int, true_rows: int) -> list[torch.Tensor]:
+    def _expand(self, nodes: list[_Node], g_root: torch.Tensor, root_row: int, true_rows: int) -> torch.Tensor:
         """Run the rows of these nodes (each: its parent's output and its token) in one forward,
-        each seeing the target-feature rows, its ancestors' rows and itself; their outputs [hidden]."""
+        each seeing the target-feature rows, its ancestors' rows and itself; their outputs
+        [len(nodes), hidden]."""
         start = self._cache.length
         features = torch.stack([g_root if n.parent is None else n.parent.output for n in nodes])
         tokens = torch.tensor([n.token for n in nodes])
@@ -658,22 +722,23 @@ class HeadDrafter(Drafter):
                 ancestor = ancestor.parent
             mask[i, start + i] = True
             node.row = start + i
-        g, keys, values = self.fast(features, tokens, positions, self._cache.past(), mask)
-        self._cache.append(keys, values)
+        g = self.fast.draft_forward(features, tokens, positions, self._cache, mask)
         for node, output in zip(nodes, g):
             node.output = output
-        return list(g)
+        return g
 
-    def _offer(self, node: _Node | None, g: torch.Tensor, offered: list[_Node]) -> list[_Node]:
-        """The `branching` most probable children of node (None: the root), offered."""
-        probs = torch.softmax(self.fast.logits(g[None])[0], -1)  # [draft vocab]
-        top = probs.topk(min(self.branching, probs.shape[0]))
-        chance, depth = (1.0, 1) if node is None else (node.chance, node.depth + 1)
-        tokens = self.head.vocabulary[top.indices].tolist()
-        children = [
-            _Node(chance * p, len(offered) + i, t, node, depth)
-            for i, (p, t) in enumerate(zip(top.values.tolist(), tokens))
-        ]
+    def _offer(self, nodes: list[_Node | None], g: torch.Tensor, offered: list[_Node]) -> list[_Node]:
+        """The `branching` most probable children of each node (None: the root), whose outputs
+        are g [len(nodes), hidden], offered node by node: one logits product for a level."""
+        probs = torch.softmax(self.fast.logits(g), -1)  # [nodes, draft vocab]
+        top = probs.topk(min(self.branching, probs.shape[-1]), dim=-1)
+        children = []
+        for node, chances, tokens in zip(nodes, top.values.tolist(), self.head.vocabulary[top.indices].tolist()):
+            chance, depth = (1.0, 1) if node is None else (node.chance, node.depth + 1)
+            children += [
+                _Node(chance * p, len(offered) + len(children) + i, t, node, depth)
+                for i, (p, t) in enumerate(zip(chances, tokens))
+            ]
         offered.extend(children)
         return children
 
