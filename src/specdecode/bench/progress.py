@@ -13,9 +13,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from specdecode.progress import LoggedProgress
+
 
 def bench_progress(console: Console) -> Progress:
-    return Progress(
+    return LoggedProgress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
         BarColumn(),

@@ -19,12 +19,13 @@ from typing import Annotated, Optional
 import torch
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from specdecode.drafters.head import DraftHead, eagle3_layers, head_config, new_head, save_head
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import InvalidArgumentError
 from specdecode.loading import DEFAULT_TARGET
+from specdecode.progress import LoggedProgress
 from specdecode.training import data, datafiles, featurefiles, trainer
 from specdecode.training.evaluate import HELD_OUT, held_out_acceptance
 from specdecode.training.trainer import TrainConfig, train
@@ -147,7 +148,7 @@ def _training_record(config: TrainConfig, features: str, samples: list[data.Samp
 
 @contextmanager
 def _bars(console: Console):
-    bars = Progress(
+    bars = LoggedProgress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
