@@ -17,9 +17,11 @@ A second table gives the tree sizes each system's policy chose, by category, and
 verification costs (by new tokens) its decoder measured and chose them by.
 
 --products times the head's forward and its logits instead (no prompts): the trained module
-against for_drafting's copy, interleaved, medians. --draft-cost measures what issue 25 bounds:
-seconds the head spends drafting per drafted token (k = 4 pinned, chains and trees) against a
-target-only decoding step, on DRAFT_COST_PROMPTS (written for this script, not Spec-Bench).
+against for_drafting's copies (its layer on torch operations, and in C where the C layers run),
+interleaved, medians. --draft-cost measures what issue 25 bounds: seconds the head spends
+drafting per drafted token (k = 4 pinned, chains and trees, each with the layer on torch and in
+C) against a target-only decoding step, on DRAFT_COST_PROMPTS (written for this script, not
+Spec-Bench).
 --sampling times target-only, auto + head (the head's one-hot trees at every temperature) and
 auto + head drafting chains (drawn from q when sampling: what the head did before) at
 temperatures 0, 0.7 and 1, interleaved per prompt and seed, on SAMPLING_PROMPTS (written for

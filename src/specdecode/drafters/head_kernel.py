@@ -2,8 +2,8 @@
 
 A head forward of a few rows on torch is about 35 operations of microseconds each, most of its
 time; the C decoder layer runs the same layer (rms norms, rope, the tree attention kernel, the
-gated MLP, the residual sums) in one call on the w8a8 product kernel: one row after 100 cached
-rows in 0.15 ms against 0.68 (docs/draft-head.md, "What it costs"). Its products quantize each
+gated MLP, the residual sums) in one call on the w8a8 product kernel, a third less for a whole
+head forward (benchmarks/results/draft-head-products-c-layer.md). Its products quantize each
 row's activations to 8 bits where the trained layer's are float32, so a draft may now and then
 differ from the trained layer's: deterministic all the same, which is all a drafter needs (its
 drafts are verified).
