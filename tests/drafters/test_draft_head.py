@@ -118,17 +118,19 @@ def tiny():
     return target, engine, head, untrained_head(target, vocabulary, layers), examples
 
 
-def test_the_drafting_copy_leaves_the_trained_head_alone_and_computes_its_logits(tiny):
+@pytest.mark.parametrize("layer_in_c", [True, False])
+def test_the_drafting_copy_leaves_the_trained_head_alone_and_computes_its_logits(tiny, layer_in_c):
     """for_drafting (what HeadDrafter drafts with): the trained module keeps its nn.Linear weights
     (training and saving use it); the copy (its layer in one C call where the C layers run, w8a16
     products where the kernel runs, else float32 on oneDNN) gives the trained head's logits within
     8-bit error, the same bits each call."""
     _, _, head, _, _ = tiny
     before = {name: value.clone() for name, value in head.state_dict().items()}
-    fast = for_drafting(head)
+    fast = for_drafting(head, layer_in_c)
     assert isinstance(head.layer.gate, torch.nn.Linear) and head.rows_product is None and head.kernel_layer is None
     assert all(torch.equal(before[name], value) for name, value in head.state_dict().items())
     assert fast.rows_product is not None and (fast.kernel_layer is not None or fast.layer.gate_up is not None)
+    assert layer_in_c or fast.kernel_layer is None
     c = head.config
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(5, c.hidden_size, generator=generator)
@@ -269,11 +271,14 @@ def tree_target():
 TREE_PROMPTS = [[p % 64 for p in prompt] for prompt in GREEDY_PROMPTS]
 
 
-def test_greedy_head_trees_on_the_fast_runner_equal_transformers_generate(tree_target):
+@pytest.mark.parametrize("layer_in_c", [True, False])
+def test_greedy_head_trees_on_the_fast_runner_equal_transformers_generate(tree_target, layer_in_c):
+    """The head's layer in C (where the C layers run) or on torch's operations."""
     target, runner, head = tree_target
     engine = SpeculativeEngine(runner, drafter=None)
     prompts = TREE_PROMPTS
-    view = engine.with_drafter(HeadDrafter(head, tree=True), num_speculative_tokens=6, adaptive=False)
+    drafter = HeadDrafter(head, tree=True, fast=for_drafting(head, layer_in_c))
+    view = engine.with_drafter(drafter, num_speculative_tokens=6, adaptive=False)
     results = view.generate(prompts, max_new_tokens=30)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(target, prompt, 30), prompt
