@@ -8,10 +8,14 @@ prompt). Every output is checked against target-only's.
 --compare cold: one engine whose measured costs and acceptance carry from answer to answer (a
 server's) against a fresh decoder and drafter for every answer, made before its timer starts
 (what `specdecode bench` gives each answer of a stateful drafter, and what a one-shot
-`specdecode generate` starts with).
+`specdecode generate` starts with); the fresh decoders share the engine's measured step costs,
+as every `with_drafter` view does, and measure acceptance from nothing.
+--compare head --head DIR: `auto` with the head shipped for the target against `auto` with the
+draft head in DIR (a `specdecode train-draft` output).
+--compare k: `auto` with k <= -k against k <= --other-k (trees of up to that many nodes).
 
-    .venv/bin/python benchmarks/auto_variants.py --compare head-layer|cold [--rounds 2]
-        [--max-new-tokens 64] [-k 4] [--quantization w8a8] [--out FILE]
+    .venv/bin/python benchmarks/auto_variants.py --compare head-layer|cold|head|k [--head DIR]
+        [--other-k 8] [--rounds 2] [--max-new-tokens 64] [-k 4] [--quantization w8a8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from specdecode.drafters.head import HeadDrafter, for_drafting
 PROMPTS = {"open-ended": list(dict.fromkeys([*OPEN_CHAT_PROMPTS, *OPEN_PROMPTS])), "copy": DRAFTER_PROMPTS["copy"]}
 
 
-def load(args) -> SpeculativeEngine:
+def load(args, draft: str | None = None, k: int | None = None) -> SpeculativeEngine:
     return SpeculativeEngine.from_pretrained(
-        device="cpu", dtype="auto", cache=NO_CACHE, drafter="auto", num_speculative_tokens=args.k,
-        quantization=args.quantization, keep_model_weights=True,  # named_drafter makes auto's head again
+        device="cpu", dtype="auto", cache=NO_CACHE, drafter="auto", draft=draft,
+        num_speculative_tokens=args.k if k is None else k, quantization=args.quantization,
+        keep_model_weights=True,  # named_drafter makes auto's head again
     )  # fmt: skip
 
 
@@ -55,11 +60,23 @@ def cold_variants(args, items: list) -> tuple[SpeculativeEngine, dict[str, Calla
     return base, {"auto, warm": lambda item: warm, "auto, cold": lambda item: cold[item[0]]}
 
 
+def head_variants(args, items: list) -> tuple[SpeculativeEngine, dict[str, Callable]]:
+    shipped, given = load(args), load(args, draft=args.head)
+    return shipped, {"auto, shipped head": lambda item: shipped, f"auto, head {args.head}": lambda item: given}
+
+
+def k_variants(args, items: list) -> tuple[SpeculativeEngine, dict[str, Callable]]:
+    small, large = load(args), load(args, k=args.other_k)
+    return small, {f"auto, k <= {args.k}": lambda item: small, f"auto, k <= {args.other_k}": lambda item: large}
+
+
+VARIANTS = {"head-layer": head_layer_variants, "cold": cold_variants, "head": head_variants, "k": k_variants}
+
+
 def run(args) -> str:
     prompts = [(kind, text) for kind, texts in PROMPTS.items() for text in texts]
     items = [(i, kind) for i, (kind, _) in enumerate(prompts * args.rounds)]  # (index, kind): each answer its own
-    variants = head_layer_variants if args.compare == "head-layer" else cold_variants
-    base, engines = variants(args, items)
+    base, engines = VARIANTS[args.compare](args, items)
     ids = [base.encode(text, chat=True) for _, text in prompts]
 
     def system(engine_of: Callable | None) -> Callable:
@@ -93,7 +110,8 @@ def run(args) -> str:
 def table(args, base: SpeculativeEngine, names: list[str], totals: dict) -> str:
     lines = [
         f"Default model, {base.precision}, {torch.get_num_threads()} threads, {cpu_name()}; greedy, "
-        f"{args.max_new_tokens} new tokens, chat template, {args.rounds} rounds, caches off; auto k <= {args.k}; "
+        f"{args.max_new_tokens} new tokens, chat template, {args.rounds} rounds, caches off; "
+        f"{'auto k as named' if args.compare == 'k' else f'auto k <= {args.k}'}; "
         "every output identical to target-only's.",
         "",
         "Tokens per second (against target-only), tokens per target forward.",
@@ -113,9 +131,13 @@ def table(args, base: SpeculativeEngine, names: list[str], totals: dict) -> str:
 
 def main() -> None:
     parser = script_parser(__doc__, max_new_tokens=64, k=4, rounds=2)
-    parser.add_argument("--compare", choices=("head-layer", "cold"), required=True, help="which two variants")
+    parser.add_argument("--compare", choices=tuple(VARIANTS), required=True, help="which two variants")
+    parser.add_argument("--head", help="--compare head: the draft head folder to compare with the shipped one")
+    parser.add_argument("--other-k", type=int, default=8, help="--compare k: the larger k [default: 8]")
     parser.add_argument("--quantization", default="w8a8", help="the target's [default: w8a8]")
     args = parser.parse_args()
+    if args.compare == "head" and not args.head:
+        parser.error("--compare head needs --head DIR")
     write_table(run(args), args.out)
 
 

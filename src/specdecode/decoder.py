@@ -141,17 +141,26 @@ class Decoder:
     """One per engine, so that measured costs and acceptance carry across calls."""
 
     def __init__(
-        self, runner: ModelRunner, adaptive: bool = True, max_length: int | None = None, reuse_prefixes: bool = True
+        self,
+        runner: ModelRunner,
+        adaptive: bool = True,
+        max_length: int | None = None,
+        reuse_prefixes: bool = True,
+        costs: StepCosts | None = None,
     ):
         """max_length: the most tokens (prompt + generated) a sequence holds; a sequence that
         reaches it ends with finish reason "length" (default: the model's context).
         reuse_prefixes: a new sequence starts from the longest prefix of its prompt a free
-        slot's cache holds, where the runner allows it (runners/slots.py)."""
+        slot's cache holds, where the runner allows it (runners/slots.py).
+        costs: another decoder's measured step costs, to share: they belong to the runner on
+        this machine, not to what was asked, so a new decoder on the same runner need not
+        measure them again from nothing (acceptance, which depends on the text, stays its own)."""
         self.max_length = runner.max_length if max_length is None else max_length
         self.slots = SlotPool(runner, self.max_length, reuse_prefixes)
         self.adaptive = adaptive
         self.capacity = 1  # most sequences active at once
-        self.costs = StepCosts()  # seconds of a verification forward, by the tokens in it (all sequences)
+        # seconds of a verification forward, by the tokens in it (all sequences)
+        self.costs = StepCosts() if costs is None else costs
         self._sizes_run: set[int] = set()  # forward sizes run at least once (see _record_cost)
         self._steps = 0  # steps drafted so far: whose turn it is to explore (_draft)
         # policy_key (drafter name, greedy or sampled) -> its acceptance, pooled over sequences:

@@ -298,11 +298,14 @@ class SpeculativeEngine:
         response_cache: bool = False,
     ) -> SpeculativeEngine:
         """This engine's target and tokenizer (shared, not copied) with another drafter, k and
-        a decoder of its own: a system to compare with this one in the same process. It answers
-        from this engine's response cache only if asked: a comparison would time the cache."""
+        a decoder of its own: a system to compare with this one in the same process. The decoder
+        shares this one's measured step costs (the runner's, on this machine), not its drafters'
+        acceptance. It answers from this engine's response cache only if asked: a comparison
+        would time the cache."""
         view = copy.copy(self)
         view.drafter, view.num_speculative_tokens = drafter, check_k(num_speculative_tokens)
-        view.decoder = Decoder(self.target_runner, adaptive, self.max_model_len, self.decoder.slots.reuses_prefixes)
+        reuses = self.decoder.slots.reuses_prefixes
+        view.decoder = Decoder(self.target_runner, adaptive, self.max_model_len, reuses, self.decoder.costs)
         view.caches = copy.copy(self.caches)  # the same backend and cache, switched off alone
         if not response_cache:
             view.response_cache = None

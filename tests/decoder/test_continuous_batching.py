@@ -262,6 +262,23 @@ def test_max_model_len_ends_sequences_and_bounds_the_slot_caches():
         assert error.value.param == "max_model_len"
 
 
+def test_a_view_shares_the_measured_step_costs_but_not_the_acceptance():
+    """A view's decoder starts from the step costs its engine measured (the runner's, on this
+    machine), not from nothing, and what it measures the engine knows; its drafters' acceptance
+    stays its own. Its greedy text is still the target's, with drafts kept."""
+    target = tiny_llama(seed=1)
+    engine = SpeculativeEngine(target, drafter=PromptLookupDrafter(), num_speculative_tokens=4)
+    engine.generate(PROMPTS[:2], max_new_tokens=30)
+    measured = dict(engine.decoder.costs.seconds)
+    assert measured and engine.decoder.policies  # something to share, and something not to
+    view = engine.with_drafter(PromptLookupDrafter(), 4, adaptive=True)
+    assert view.decoder.costs is engine.decoder.costs and view.decoder.costs.seconds == measured
+    assert view.decoder.policies == {}
+    [result] = view.generate(PROMPTS[2:3], max_new_tokens=30)
+    assert result.token_ids == hf_greedy(target, PROMPTS[2], 30) and result.stats.accepted_tokens > 0
+    assert all(policy is not engine.decoder.policies.get(key) for key, policy in view.decoder.policies.items())
+
+
 @pytest.mark.parametrize("family", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("runner", ["fast", "transformers"])
 def test_kv_bytes_per_token_is_what_a_cache_position_takes(family, runner):
