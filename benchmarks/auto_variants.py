@@ -10,12 +10,12 @@ server's) against a fresh decoder and drafter for every answer, made before its 
 (what `specdecode bench` gives each answer of a stateful drafter, and what a one-shot
 `specdecode generate` starts with); the fresh decoders share the engine's measured step costs,
 as every `with_drafter` view does, and measure acceptance from nothing.
---compare head --head DIR: `auto` with the head shipped for the target against `auto` with the
-draft head in DIR (a `specdecode train-draft` output).
+--compare head --head DIR: the head shipped for the default model against the draft head in DIR
+(a `specdecode train-draft` output), each in `auto` and alone (`--drafter head`).
 --compare k: `auto` with k <= -k against k <= --other-k (trees of up to that many nodes).
 
     .venv/bin/python benchmarks/auto_variants.py --compare head-layer|cold|head|k [--head DIR]
-        [--other-k 8] [--rounds 2] [--max-new-tokens 64] [-k 4] [--quantization w8a8] [--out FILE]
+        [--other-k 8] [--rounds 2] [--max-new-tokens 64] [-k 4] [--quantization w8a8|none] [--dtype auto] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ from specdecode.bench.prompts import DRAFTER_PROMPTS, OPEN_CHAT_PROMPTS, OPEN_PR
 from specdecode.bench.scripts import NO_CACHE, script_parser, write_table
 from specdecode.bench.systems import named_drafter
 from specdecode.drafters.auto import candidates_of
-from specdecode.drafters.head import HeadDrafter, for_drafting
+from specdecode.drafters.head import SHIPPED_HEADS, HeadDrafter, for_drafting
+from specdecode.loading import DEFAULT_TARGET
 
 PROMPTS = {"open-ended": list(dict.fromkeys([*OPEN_CHAT_PROMPTS, *OPEN_PROMPTS])), "copy": DRAFTER_PROMPTS["copy"]}
 
 
-def load(args, draft: str | None = None, k: int | None = None) -> SpeculativeEngine:
+def load(args, draft: str | None = None, k: int | None = None, drafter: str = "auto") -> SpeculativeEngine:
     return SpeculativeEngine.from_pretrained(
-        device="cpu", dtype="auto", cache=NO_CACHE, drafter="auto", draft=draft,
-        num_speculative_tokens=args.k if k is None else k, quantization=args.quantization,
+        device="cpu", dtype=args.dtype, cache=NO_CACHE, drafter=drafter, draft=draft,
+        num_speculative_tokens=args.k if k is None else k,
+        quantization=None if args.quantization == "none" else args.quantization,
         keep_model_weights=True,  # named_drafter makes auto's head again
     )  # fmt: skip
 
@@ -61,8 +63,13 @@ def cold_variants(args, items: list) -> tuple[SpeculativeEngine, dict[str, Calla
 
 
 def head_variants(args, items: list) -> tuple[SpeculativeEngine, dict[str, Callable]]:
-    shipped, given = load(args), load(args, draft=args.head)
-    return shipped, {"auto, shipped head": lambda item: shipped, f"auto, head {args.head}": lambda item: given}
+    shipped = str(SHIPPED_HEADS / DEFAULT_TARGET)
+    engines = {
+        f"{drafter}, {name}": load(args, draft=folder, drafter=drafter)
+        for drafter in ("auto", "head")
+        for name, folder in (("shipped head", shipped), (f"head {args.head}", args.head))
+    }
+    return engines["auto, shipped head"], {name: (lambda item, e=engine: e) for name, engine in engines.items()}
 
 
 def k_variants(args, items: list) -> tuple[SpeculativeEngine, dict[str, Callable]]:
@@ -134,7 +141,8 @@ def main() -> None:
     parser.add_argument("--compare", choices=tuple(VARIANTS), required=True, help="which two variants")
     parser.add_argument("--head", help="--compare head: the draft head folder to compare with the shipped one")
     parser.add_argument("--other-k", type=int, default=8, help="--compare k: the larger k [default: 8]")
-    parser.add_argument("--quantization", default="w8a8", help="the target's [default: w8a8]")
+    parser.add_argument("--quantization", default="w8a8", help="the target's, or none [default: w8a8]")
+    parser.add_argument("--dtype", default="auto", help="the target's [default: auto]")
     args = parser.parse_args()
     if args.compare == "head" and not args.head:
         parser.error("--compare head needs --head DIR")
