@@ -138,7 +138,7 @@ def table(args, base: SpeculativeEngine, names: list[str], totals: dict) -> str:
 
 def main() -> None:
     parser = script_parser(__doc__, max_new_tokens=64, k=4, rounds=2)
-    parser.add_argument("--compare", choices=tuple(VARIANTS), required=True, help="which two variants")
+    parser.add_argument("--compare", choices=tuple(VARIANTS), required=True, help="which variants")
     parser.add_argument("--head", help="--compare head: the draft head folder to compare with the shipped one")
     parser.add_argument("--other-k", type=int, default=8, help="--compare k: the larger k [default: 8]")
     parser.add_argument("--quantization", default="w8a8", help="the target's, or none [default: w8a8]")
