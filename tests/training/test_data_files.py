@@ -6,8 +6,9 @@ tiny chat target:
   an uninterrupted run; another seed's files differ (so the comparison can fail);
 - each instruction is answered greedily and sampled;
 - a rerun with another setting is refused, naming the option (`train-draft` exits 2 with one
-  line), --restart discards the data and starts over, a data.jsonl without a manifest is used
-  as it is, and damage before a file's last line is refused.
+  line), but for more samples, which grow the data into the larger run's files; --restart
+  discards the data and starts over, a data.jsonl without a manifest is used as it is, and
+  damage before a file's last line is refused.
 """
 
 from __future__ import annotations
@@ -142,14 +143,35 @@ def test_a_rerun_with_another_setting_is_refused_and_restart_starts_over(engine,
     with pytest.raises(InvalidArgumentError, match="another --seed: 0, not 1; .*--restart") as refused:
         make(engine, tmp_path, settings_for(engine, seed=1))
     assert refused.value.param == "seed"
-    with pytest.raises(InvalidArgumentError, match="another --samples: 20, not 22"):
-        make(engine, tmp_path, settings_for(engine, samples=22))
+    with pytest.raises(InvalidArgumentError, match="another --samples: 20, not 18"):
+        make(engine, tmp_path, settings_for(engine, samples=18))  # fewer: more grow (below)
     (tmp_path / "checkpoint.pt").write_bytes(b"trained on the old data")
     make(engine, tmp_path, settings_for(engine, seed=1), restart=True)
     assert not (tmp_path / "checkpoint.pt").exists()
     fresh = tmp_path / "fresh"
     make(engine, fresh, settings_for(engine, seed=1))
     assert contents(tmp_path) == contents(fresh)
+
+
+@pytest.mark.parametrize(("smaller", "blocks"), [(2, 0), (12, 1), (14, 1)])
+def test_more_samples_grow_the_data_of_fewer_into_the_uninterrupted_files(engine, tmp_path, whole, smaller, blocks):
+    """Data of 2, 12 or 14 samples (1, 6 or 7 instructions: `blocks` blocks of 4 answered whole,
+    then one cut short) grown to 20 ends as the 20 samples' run, decoding only the Magpie rounds
+    and answer chunks the smaller run did not make; the checkpoint trained on it goes."""
+    make(engine, tmp_path, settings_for(engine, samples=smaller))
+    rounds = lines(tmp_path / datafiles.INSTRUCTIONS)
+    (tmp_path / "checkpoint.pt").write_bytes(b"trained on the smaller data")
+    calls = []
+    generate = engine.generate
+    engine.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
+    try:
+        made = datafiles.make_data(engine, tmp_path, settings_for(engine), None, HELD_OUT, Progress(disable=True))
+    finally:
+        del engine.generate
+    assert contents(tmp_path) == whole and len(made) == 20
+    assert not (tmp_path / "checkpoint.pt").exists()
+    decoded_chunks = len(calls) - (lines_of(whole, datafiles.INSTRUCTIONS) - rounds)
+    assert decoded_chunks == lines_of(whole, datafiles.ANSWERS) - 2 * blocks
 
 
 def test_a_data_file_without_a_manifest_is_used_as_it_is(engine, tmp_path):

@@ -13,6 +13,10 @@ Files, in DIR:
   of the features pass. A `data.jsonl` without a manifest (made by hand, or by an earlier
   train-draft) is used as it is.
 
+More samples than the manifest's, every other setting the same, grow the data instead of being
+refused (`_grow`): the larger run's Magpie rounds and its answers to every block of instructions
+the smaller run filled are the smaller run's own, so they stay, and only the rest is decoded.
+
 Each line is appended, flushed and fsynced as its chunk completes; a line a kill cut short is
 dropped on resume (and cut off the file). A chunk's randomness is a function of the seed and
 the chunk's index alone, never of a generator's running state, and greedy rows do not depend
@@ -106,7 +110,9 @@ def make_data(
         return data.load_samples(output / DATA)
     # read before the manifest is written: a file refused leaves nothing its mended rerun is refused by
     texts = None if prompts is None else data.read_prompts(prompts, held_out)[: settings.instructions]
-    _check_manifest(output, settings)
+    grown_from = _check_manifest(output, settings)
+    if grown_from is not None:
+        bars.console.print(f"growing the data in {output} from {grown_from} to {settings.samples} samples")
     if (output / DATA).is_file():
         return data.load_samples(output / DATA)
     if (output / INSTRUCTIONS).is_file() or (output / ANSWERS).is_file():
@@ -214,18 +220,55 @@ def _record(line: bytes) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def _check_manifest(output: Path, settings: DataSettings) -> None:
-    """Refuse to resume data made with other settings; write the manifest of a new run."""
+def _check_manifest(output: Path, settings: DataSettings) -> int | None:
+    """Refuse to resume data made with other settings; write the manifest of a new run. Data
+    made for fewer samples, every other setting the same, grows: the samples it was made for."""
     path = output / MANIFEST
     if not path.is_file():
         if (output / INSTRUCTIONS).exists() or (output / ANSWERS).exists():
             raise InvalidArgumentError(f"{output} holds data files without {MANIFEST}: --restart", "output")
         _write_whole(path, json.dumps(asdict(settings), indent=2) + "\n")
-        return
+        return None
     saved = _record(path.read_bytes()) or {}
-    for name, value in asdict(settings).items():
+    wanted = asdict(settings)
+    others = [name for name, value in wanted.items() if name != "samples" and saved.get(name) != value]
+    smaller = saved.get("samples")
+    if not others and isinstance(smaller, int) and not isinstance(smaller, bool) and smaller < settings.samples:
+        _grow(output, smaller, settings)
+        return smaller
+    for name, value in wanted.items():
         if saved.get(name) != value:
             raise InvalidArgumentError(_refusal(output, name, saved.get(name), value), name)
+    return None
+
+
+def _grow(output: Path, smaller: int, settings: DataSettings) -> None:
+    """Make data of `smaller` samples the start of the larger run's. Its Magpie rounds are the
+    larger run's first (a round is a function of the seed and its index), and so are its answer
+    chunks of every block of instructions it filled: the instructions are the same, in order,
+    and a chunk is a function of its block, the seed and its index. The answers to a last block
+    it cut short, the data file and the checkpoint (trained on the smaller data) go; the
+    manifest is written last, so that a kill midway leaves data that grows again."""
+    filled = math.ceil(smaller / 2) // settings.batch_size  # blocks of instructions it answered whole
+    _keep_lines(output / ANSWERS, 2 * filled)  # a greedy and a sampled chunk a block
+    (output / DATA).unlink(missing_ok=True)
+    trainer.discard_checkpoint(output / trainer.CHECKPOINT)
+    _write_whole(output / MANIFEST, json.dumps(asdict(settings), indent=2) + "\n")
+
+
+def _keep_lines(path: Path, count: int) -> None:
+    """Cut path after its first `count` lines (nothing if it has no more)."""
+    if not path.is_file():
+        return
+    raw, end = path.read_bytes(), 0
+    for _ in range(count):
+        end = raw.find(b"\n", end) + 1
+        if end == 0:
+            return
+    with path.open("r+b") as file:
+        file.truncate(end)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def _refusal(output: Path, name: str, saved, value) -> str:
