@@ -55,15 +55,16 @@ def settings_for(engine, seed: int = 0, samples: int = 20) -> datafiles.DataSett
     return replace(settings, batch_size=4, magpie_max_tokens=16)
 
 
-def make(engine, folder, settings, interrupt_after: int | None = None, restart: bool = False):
-    calls = 0
+def make(engine, folder, settings, interrupt_after: int | None = None, restart: bool = False, calls=None):
+    """make_data, raising Interrupted after interrupt_after decoding calls; calls, if given, gets
+    one item per decoding call."""
+    calls = [] if calls is None else calls
     generate = engine.generate
 
     def counting(*args, **kwargs):
-        nonlocal calls
-        if calls == interrupt_after:
+        if len(calls) == interrupt_after:
             raise Interrupted
-        calls += 1
+        calls.append(1)
         return generate(*args, **kwargs)
 
     engine.generate = counting
@@ -161,13 +162,8 @@ def test_more_samples_grow_the_data_of_fewer_into_the_uninterrupted_files(engine
     make(engine, tmp_path, settings_for(engine, samples=smaller))
     rounds = lines(tmp_path / datafiles.INSTRUCTIONS)
     (tmp_path / "checkpoint.pt").write_bytes(b"trained on the smaller data")
-    calls = []
-    generate = engine.generate
-    engine.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
-    try:
-        made = datafiles.make_data(engine, tmp_path, settings_for(engine), None, HELD_OUT, Progress(disable=True))
-    finally:
-        del engine.generate
+    calls: list = []
+    made = make(engine, tmp_path, settings_for(engine), calls=calls)
     assert contents(tmp_path) == whole and len(made) == 20
     assert not (tmp_path / "checkpoint.pt").exists()
     decoded_chunks = len(calls) - (lines_of(whole, datafiles.INSTRUCTIONS) - rounds)

@@ -227,7 +227,7 @@ def _check_manifest(output: Path, settings: DataSettings) -> int | None:
     if not path.is_file():
         if (output / INSTRUCTIONS).exists() or (output / ANSWERS).exists():
             raise InvalidArgumentError(f"{output} holds data files without {MANIFEST}: --restart", "output")
-        _write_whole(path, json.dumps(asdict(settings), indent=2) + "\n")
+        _write_manifest(output, settings)
         return None
     saved = _record(path.read_bytes()) or {}
     wanted = asdict(settings)
@@ -253,6 +253,10 @@ def _grow(output: Path, smaller: int, settings: DataSettings) -> None:
     _keep_lines(output / ANSWERS, 2 * filled)  # a greedy and a sampled chunk a block
     (output / DATA).unlink(missing_ok=True)
     trainer.discard_checkpoint(output / trainer.CHECKPOINT)
+    _write_manifest(output, settings)
+
+
+def _write_manifest(output: Path, settings: DataSettings) -> None:
     _write_whole(output / MANIFEST, json.dumps(asdict(settings), indent=2) + "\n")
 
 
